@@ -1,0 +1,14 @@
+"""radixlm: an LLM serving engine with a radix-tree prefix cache at its centre."""
+from radixlm.config import ServerArgs
+from radixlm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
+
+
+def __getattr__(name: str):
+    # Engine pulls in torch and the model code; keep `import radixlm` light.
+    if name == "Engine":
+        from radixlm.srt.engine import Engine
+        return Engine
+    raise AttributeError(name)

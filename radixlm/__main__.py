@@ -1,0 +1,49 @@
+"""Command line: `python -m radixlm generate "prompt"` (also the `radixlm` console script)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from radixlm.config import ServerArgs
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from radixlm.srt.engine import Engine
+
+    args = ServerArgs.from_cli_args(ns)
+    with Engine(**{k: v for k, v in vars(args).items()}) as engine:
+        prompt = ns.prompt
+        if not ns.raw and getattr(engine.tokenizer, "chat_template", None):
+            prompt = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+        if ns.stream:
+            for chunk in engine.generate(prompt, params, stream=True):
+                print(chunk["text"], end="", flush=True)
+            print()
+        else:
+            out = engine.generate(prompt, params)
+            print(json.dumps(out, indent=2) if ns.json else out["text"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--json", action="store_true", help="print the whole result with meta_info")
+    ServerArgs.add_cli_args(gen)
+    ns = parser.parse_args(argv)
+    if ns.command == "generate":
+        return _generate(ns)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

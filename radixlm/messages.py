@@ -1,0 +1,62 @@
+"""Wire messages between the tokenizer side and the scheduler (dataclasses, one codec)."""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    extra_key: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+    prefix: bool = False
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class ReqOutput:
+    """New output of one request since the last message about it."""
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    num_retractions: int = 0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    outputs: list[ReqOutput]
+
+
+def encode(msg: Any) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)

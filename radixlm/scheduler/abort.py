@@ -1,0 +1,22 @@
+"""Which requests an AbortReq names (semantics §3)."""
+from __future__ import annotations
+
+import re
+
+from radixlm.messages import AbortReq
+
+_CHILD = re.compile(r"_\d+$")
+
+
+def abort_matches(msg: AbortReq, rid: str) -> bool:
+    """A rid matches itself and its parallel-sampling children `rid_0 … rid_{n-1}`, never an
+    unrelated rid that merely starts with the same characters (unless prefix mode)."""
+    if msg.abort_all:
+        return True
+    if not msg.rid:
+        return False
+    if rid == msg.rid:
+        return True
+    if msg.prefix:
+        return rid.startswith(msg.rid)
+    return rid.startswith(msg.rid) and _CHILD.fullmatch(rid[len(msg.rid):]) is not None

@@ -1,0 +1,58 @@
+"""The contract between the scheduler and the model runner.
+
+The scheduler describes a step in plain ids and lengths (`WorkerBatch`); the runner turns it
+into device tensors, runs the model, samples and returns `BatchResult`. The scheduler never
+imports the runner: it is handed one through its constructor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from radixlm.core import Req
+
+
+@dataclass
+class WorkerBatch:
+    mode: str  # "extend" or "decode"
+    reqs: list[Req]
+    input_ids: list[int]
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    # False for a request whose prefill chunk is not its last one: no token is sampled for it.
+    sample: list[bool]
+    # For each request, the [start, end) range of its extend-token indices whose next-token
+    # logprobs are wanted as input logprobs, and the token ids those positions predict.
+    input_logprob_ranges: list[tuple[int, int]] = field(default_factory=list)
+    input_logprob_targets: list[list[int]] = field(default_factory=list)
+    # Per request: top-k size for logprobs (0 = none) and whether logprobs are wanted.
+    return_logprob: list[bool] = field(default_factory=list)
+    top_logprobs_num: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode == "decode"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class BatchResult:
+    next_token_ids: list[int | None]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None]
+    # Per request: logprobs of the prompt tokens following each position in its range.
+    input_logprobs: list[list[float] | None]
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+
+
+class ModelRunnerProtocol(Protocol):
+    vocab_size: int
+    max_context_len: int
+
+    def forward(self, batch: WorkerBatch) -> BatchResult: ...

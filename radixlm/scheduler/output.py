@@ -1,0 +1,59 @@
+"""Turning a step's sampled tokens into request progress and outgoing messages."""
+from __future__ import annotations
+
+from radixlm.core import FinishReason, Req
+from radixlm.messages import ReqOutput
+
+
+class StopStringChecker:
+    """Finds stop strings in the decoded tail of a request's output.
+
+    Checked after every token, so a match can only end in the newest token; decoding the
+    last len(stop) + 8 tokens covers it (a token decodes to at least one byte; the extra
+    tokens cover multi-byte characters split across tokens)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def check(self, req: Req) -> None:
+        stops = req.sampling_params.stop
+        if not stops or req.finished or self.tokenizer is None:
+            return
+        if len(req.output_ids) < req.sampling_params.min_new_tokens:
+            return
+        window = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                req.finish_reason = FinishReason("stop", matched=s)
+                return
+
+
+def append_token(req: Req, token: int, logprob: float | None,
+                 top: list[tuple[float, int]] | None) -> None:
+    req.output_ids.append(token)
+    if req.return_logprob:
+        req.output_token_logprobs.append((logprob, token))
+        if req.top_logprobs_num > 0:
+            req.output_top_logprobs.append(top or [])
+
+
+def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
+    start = req.sent_len
+    out = ReqOutput(
+        rid=req.rid,
+        new_token_ids=req.output_ids[start:],
+        finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
+        num_retractions=req.num_retractions,
+    )
+    if req.return_logprob:
+        out.output_token_logprobs = req.output_token_logprobs[start:]
+        out.output_top_logprobs = req.output_top_logprobs[start:]
+        if include_input_logprobs:
+            out.input_token_logprobs = list(req.input_token_logprobs)
+            out.input_top_logprobs = list(req.input_top_logprobs)
+    req.sent_len = len(req.output_ids)
+    return out

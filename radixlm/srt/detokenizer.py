@@ -1,0 +1,87 @@
+"""Incremental detokenization: UTF-8-safe text deltas and stop-string trimming.
+
+Text is released only when it can no longer change: a trailing replacement character
+means a multi-byte character is split across tokens, and a tail that could still grow into
+a stop string is held back until the next tokens decide it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded, stable text so far (before stop trimming)
+    sent: int = 0  # characters of `text` already released
+    # ids[prefix_offset:read_offset] were decoded last time; decoding from prefix_offset
+    # again lets tokens merge across the boundary (byte-fallback, leading spaces).
+    prefix_offset: int = 0
+    read_offset: int = 0
+    stopped: bool = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: list[int], finished: bool) -> str:
+        """Append tokens; return the newly released text."""
+        if self.stopped:
+            return ""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (finished or not full.endswith("\ufffd")):
+            self.text += full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        return self._release(finished)
+
+    def _release(self, finished: bool) -> str:
+        end = len(self.text)
+        if self.stop:
+            hit = self._first_stop()
+            if hit is not None:
+                pos, s = hit
+                end = pos + len(s) if self.no_stop_trim else pos
+                self.stopped = True
+            elif not finished:
+                end -= self._held_back()
+        end = max(end, self.sent)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta
+
+    def _first_stop(self) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            # a stop string cannot lie entirely inside text already released
+            pos = self.text.find(s, max(0, self.sent - len(s) + 1))
+            if pos >= 0 and (best is None or pos < best[0]):
+                best = (pos, s)
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        return hold
+
+    @property
+    def output_text(self) -> str:
+        return self.text[:self.sent]
+
+
+def finalize_text(tokenizer, ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                  no_stop_trim: bool = False) -> str:
+    """Whole-output decode for non-streaming requests."""
+    det = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens, no_stop_trim)
+    det.add(ids, finished=True)
+    return det.output_text

@@ -1,0 +1,127 @@
+"""Normalizing a generate call (single or batch, text or ids, n > 1) into scheduler requests.
+
+All validation happens here, before anything is submitted, so a bad item raises
+ValueError and nobody else's request is touched.
+"""
+from __future__ import annotations
+
+import copy
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.messages import TokenizedGenerateReq
+from radixlm.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateItem:
+    """One user-visible request (before n > 1 expansion)."""
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    stream: bool
+
+    def expand(self) -> list[TokenizedGenerateReq]:
+        n = self.sampling_params.n
+        if n == 1:
+            return [self._req(self.rid, self.sampling_params)]
+        out = []
+        for i in range(n):
+            sp = copy.deepcopy(self.sampling_params)
+            sp.n = 1
+            if sp.seed is not None:
+                sp.seed = sp.seed + i  # identical seeds would give identical children
+            out.append(self._req(f"{self.rid}_{i}", sp))
+        return out
+
+    def _req(self, rid: str, sp: SamplingParams) -> TokenizedGenerateReq:
+        return TokenizedGenerateReq(rid=rid, input_ids=self.input_ids, sampling_params=sp,
+                                    return_logprob=self.return_logprob,
+                                    top_logprobs_num=self.top_logprobs_num,
+                                    logprob_start_len=self.logprob_start_len, stream=self.stream)
+
+
+def _as_list(x: Any, n: int, name: str) -> list:
+    if isinstance(x, list):
+        if len(x) != n:
+            raise ValueError(f"{name} has {len(x)} entries but there are {n} prompts")
+        return x
+    return [x] * n
+
+
+def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=None,
+                       input_ids=None, sampling_params=None, return_logprob=False,
+                       logprob_start_len=None, top_logprobs_num=None, rid=None,
+                       stream: bool = False) -> tuple[list[GenerateItem], bool]:
+    """Returns the items and whether the call was a batch."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("exactly one of prompt and input_ids must be given")
+    if prompt is not None:
+        is_batch = isinstance(prompt, list)
+        texts = prompt if is_batch else [prompt]
+        if not texts:
+            raise ValueError("the prompt list is empty")
+        ids_list = []
+        for t in texts:
+            if not isinstance(t, str):
+                raise ValueError(f"a prompt must be a string, got {type(t).__name__}")
+            if not t:
+                raise ValueError("the prompt is empty")
+            ids_list.append(tokenizer.encode(t, add_special_tokens=False) if tokenizer is not None
+                            else None)
+    else:
+        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+        ids_list = input_ids if is_batch else [input_ids]
+        if not isinstance(ids_list, list):
+            raise ValueError("input_ids must be a list of token ids or a list of such lists")
+    n = len(ids_list)
+    if is_batch and stream:
+        raise ValueError("stream=True takes a single prompt")
+    sps = _as_list(sampling_params, n, "sampling_params")
+    rlp = _as_list(return_logprob, n, "return_logprob")
+    lsl = _as_list(logprob_start_len, n, "logprob_start_len")
+    tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    else:
+        rids = _as_list(rid, n, "rid") if is_batch else [rid]
+        if not all(isinstance(r, str) and r for r in rids):
+            raise ValueError("rid must be a non-empty string")
+        if len(set(rids)) != len(rids):
+            raise ValueError("rids within one call must be distinct")
+
+    items = []
+    for i, ids in enumerate(ids_list):
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            raise ValueError("input_ids must be a list of integers")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"input token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+        if len(ids) >= context_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {context_len}")
+        sp = sps[i]
+        if isinstance(sp, SamplingParams):
+            sp = copy.deepcopy(sp)
+        elif sp is None or isinstance(sp, dict):
+            sp = SamplingParams.from_dict(sp)
+        else:
+            raise ValueError("sampling_params must be a dict")
+        sp.verify(vocab_size)
+        start = lsl[i]
+        start = -1 if start is None else int(start)
+        if rlp[i] and start < 0:
+            start = len(ids)  # default: output logprobs only
+        if start > len(ids):
+            raise ValueError(f"logprob_start_len ({start}) exceeds the prompt length ({len(ids)})")
+        top = int(tln[i] or 0)
+        if top < 0:
+            raise ValueError("top_logprobs_num must be >= 0")
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream))
+    return items, is_batch

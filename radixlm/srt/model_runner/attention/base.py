@@ -1,0 +1,33 @@
+"""The attention backend contract and its registry."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixlm.registry import Registry
+from radixlm.srt.model_runner.forward_batch import ForwardBatch
+
+ATTENTION_BACKENDS: Registry[type["AttentionBackend"]] = Registry("attention backend")
+
+
+class AttentionBackend(ABC):
+    """Stores the new tokens' K/V in the KV pool and attends over prefix + new tokens.
+
+    Queries attend causally: the token at position p sees KV positions [0, p] of its own
+    request, read through `req_to_token`.
+    """
+
+    def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Called once per forward, before the first layer (index building goes here)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch, scale: float) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""

@@ -1,0 +1,177 @@
+"""The model runner: owns the model, the KV pools and the sampler; runs one WorkerBatch.
+
+Runtime sizes (KV capacity, request slots, chunk size) are resolved here because they
+depend on the device and the model.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.config import ModelConfig, ServerArgs
+from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.scheduler.batch import BatchResult, WorkerBatch
+from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+from radixlm.srt.model_runner.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+# A CPU KV pool beyond this many tokens only costs RAM: 135M-class models never fill it.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+CPU_CHUNKED_PREFILL_SIZE = 1024
+GPU_CHUNKED_PREFILL_SIZE = 8192
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return name
+
+
+def _available_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+@dataclass(frozen=True)
+class RuntimeSizes:
+    max_total_tokens: int
+    max_running_requests: int
+    req_pool_size: int
+    chunked_prefill_size: int | None
+    max_context_len: int
+
+
+def resolve_sizes(args: ServerArgs, cfg: ModelConfig, device: str, dtype: torch.dtype) -> RuntimeSizes:
+    context = args.context_length or cfg.context_len
+    if args.max_total_tokens is not None:
+        total = args.max_total_tokens
+    else:
+        per_token = MHATokenToKVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                     cfg.head_dim, dtype)
+        total = int(_available_memory_bytes(device) * args.mem_fraction_static / per_token)
+        if device == "cpu":
+            total = min(total, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+    total = total // args.page_size * args.page_size
+    max_running = args.max_running_requests or min(max(total // 2, 1), 256 if device == "cpu" else 1024)
+    if args.chunked_prefill_size is None:
+        chunk = CPU_CHUNKED_PREFILL_SIZE if device == "cpu" else GPU_CHUNKED_PREFILL_SIZE
+    else:
+        chunk = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
+    # Retracted requests wait without a slot, so running + one chunked request is the most live.
+    return RuntimeSizes(total, max_running, max_running + 2, chunk, context)
+
+
+def default_attention_backend(device: str) -> str:
+    return "triton" if device == "cuda" and "triton" in ATTENTION_BACKENDS else "torch_native"
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs) -> None:
+        from radixlm.srt.models.registry import build_model
+        from radixlm.srt.weights.loader import (iter_weights, load_model_config, resolve_dtype,
+                                                resolve_model_path)
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.model_path = resolve_model_path(args.model_path)
+        self.model_config = load_model_config(self.model_path)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if self.device == "cpu":
+            torch.set_num_threads(int(os.environ.get("RADIXLM_NUM_THREADS", torch.get_num_threads())))
+        cfg = self.model_config
+        self.model = build_model(cfg, self.dtype, self.device)
+        self.model.load_weights(iter_weights(self.model_path, cfg))
+        self.model.eval()
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.sizes = resolve_sizes(args, cfg, self.device, self.dtype)
+        self.max_context_len = self.sizes.max_context_len
+        self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
+                                        cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.sizes.req_pool_size, self.max_context_len, "cpu")
+        self.allocator = TokenToKVPoolAllocator(self.sizes.max_total_tokens)
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = default_attention_backend(self.device)
+        self.attention_backend_name = backend
+        self.attn = ATTENTION_BACKENDS.get(backend)(self.kv_pool, cfg.num_attention_heads,
+                                                    cfg.num_key_value_heads, cfg.head_dim)
+        self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
+        self._req_to_token_dev = self.req_to_token_pool.req_to_token
+        logger.info("model %s on %s (%s): KV capacity %d tokens, attention %s", self.model_path,
+                    self.device, self.dtype, self.sizes.max_total_tokens, backend)
+
+    # ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: WorkerBatch) -> BatchResult:
+        mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
+        fb = ForwardBatch.build(mode, batch.input_ids, batch.out_cache_loc,
+                                [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
+                                self._req_to_token_dev, self.device)
+        self.attn.init_forward_metadata(fb)
+        hidden = self.model.forward(fb, self.attn)
+
+        # Rows whose logits are needed: each sampling request's last token, then the
+        # positions whose next-token logprobs are prompt logprobs.
+        ends: list[int] = []
+        acc = 0
+        for n in batch.extend_lens:
+            acc += n
+            ends.append(acc)
+        sample_idx = [i for i, s in enumerate(batch.sample) if s]
+        rows = [ends[i] - 1 for i in sample_idx]
+        lp_slices: list[tuple[int, int, int]] = []  # (request, first row, count)
+        for i, (lo, hi) in enumerate(batch.input_logprob_ranges or []):
+            if hi > lo:
+                start = ends[i] - batch.extend_lens[i]
+                lp_slices.append((i, len(rows), hi - lo))
+                rows.extend(range(start + lo, start + hi))
+        n = len(batch.reqs)
+        next_ids: list[int | None] = [None] * n
+        logprobs: list[float | None] = [None] * n
+        tops: list[list[tuple[float, int]] | None] = [None] * n
+        in_lps: list[list[float] | None] = [None] * n
+        in_tops: list[list[list[tuple[float, int]]] | None] = [None] * n
+        if not rows:
+            return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
+        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if sample_idx:
+            srows = []
+            for i in sample_idx:
+                r = batch.reqs[i]
+                stop_ids = frozenset(r.sampling_params.stop_token_ids) | (
+                    frozenset() if r.sampling_params.ignore_eos else r.eos_token_ids)
+                srows.append(SamplingRow(params=r.sampling_params, prompt_ids=r.origin_input_ids,
+                                         output_ids=r.output_ids, stop_ids=stop_ids,
+                                         return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num))
+            out = self.sampler.sample(logits[:len(sample_idx)], srows)
+            for j, i in enumerate(sample_idx):
+                next_ids[i] = out.next_token_ids[j]
+                logprobs[i] = out.logprobs[j]
+                tops[i] = out.top_logprobs[j]
+        for i, first, count in lp_slices:
+            targets = torch.tensor(batch.input_logprob_targets[i], dtype=torch.int64, device=logits.device)
+            lps, tks = self.sampler.logprobs_of(logits[first:first + count], targets,
+                                                batch.reqs[i].top_logprobs_num)
+            in_lps[i] = lps
+            in_tops[i] = tks
+        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)

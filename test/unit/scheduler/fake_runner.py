@@ -1,0 +1,70 @@
+"""A model runner stand-in whose 'KV' records which token sits in each slot.
+
+Every forward checks that the KV a request reads (its row of the request-to-token table)
+holds exactly that request's tokens, so any stale or foreign KV reuse fails loudly. The next
+token is a deterministic function of the whole sequence, so outputs can be compared
+across scheduling configurations.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixlm.scheduler.batch import BatchResult, WorkerBatch
+
+EMPTY = -1
+
+
+class FakeRunner:
+    def __init__(self, capacity: int, req_to_token_pool, vocab_size: int = 97,
+                 max_context_len: int = 512, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.vocab_size = vocab_size
+        self.max_context_len = max_context_len
+        self.eos_token_ids = eos_token_ids
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.kv = torch.full((capacity + 1,), EMPTY, dtype=torch.int64)
+        self.forward_calls: list[WorkerBatch] = []
+        self.tokens_computed = 0
+
+    @staticmethod
+    def next_token(seq: list[int], vocab: int) -> int:
+        h = 0
+        for t in seq:
+            h = (h * 31 + t + 7) % 1_000_003
+        return h % vocab
+
+    def forward(self, batch: WorkerBatch) -> BatchResult:
+        self.forward_calls.append(batch)
+        pos = 0
+        n = len(batch.reqs)
+        next_ids: list[int | None] = [None] * n
+        for i, req in enumerate(batch.reqs):
+            prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
+            fill = req.fill_ids
+            row = self.req_to_token[req.req_pool_idx]
+            # the prefix must already hold this request's own tokens
+            held = self.kv[row[:prefix]].tolist()
+            assert held == fill[:prefix], f"{req.rid}: stale KV in prefix: {held[:8]} vs {fill[:8]}"
+            locs = batch.out_cache_loc[pos:pos + extend]
+            assert row[prefix:prefix + extend].tolist() == locs.tolist(), "row does not match out_cache_loc"
+            assert batch.input_ids[pos:pos + extend] == fill[prefix:prefix + extend]
+            self.kv[locs] = torch.tensor(fill[prefix:prefix + extend], dtype=torch.int64)
+            pos += extend
+            self.tokens_computed += extend
+            if batch.sample[i]:
+                next_ids[i] = self.next_token(fill[:prefix + extend], self.vocab_size)
+        logprobs = [-1.0 if r.return_logprob else None for r in batch.reqs]
+        tops = [[(-1.0, t)] if t is not None and r.top_logprobs_num else None
+                for r, t in zip(batch.reqs, next_ids)]
+        in_lps = [[-2.0] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
+        in_tops = [[[(-2.0, 0)]] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
+        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
+
+
+def reference_output(prompt: list[int], max_new: int, vocab: int = 97) -> list[int]:
+    seq = list(prompt)
+    out = []
+    for _ in range(max_new):
+        t = FakeRunner.next_token(seq, vocab)
+        out.append(t)
+        seq.append(t)
+    return out

@@ -1,0 +1,76 @@
+"""Builds a Scheduler over real pools and a real prefix cache with the FakeRunner."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from radixlm.config import ServerArgs
+from radixlm.messages import BatchTokenOut, ReqOutput, TokenizedGenerateReq
+from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.radix_cache.no_cache import NoPrefixCache
+from radixlm.radix_cache.radix_cache import RadixCache
+from radixlm.sampling_params import SamplingParams
+from radixlm.scheduler.cache_manager import CacheManager
+from radixlm.scheduler.scheduler import Scheduler
+
+from .fake_runner import FakeRunner
+
+_ids = itertools.count()
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    runner: FakeRunner
+    cache: CacheManager
+    outputs: dict[str, list[ReqOutput]] = field(default_factory=dict)
+
+    def on_output(self, batch: BatchTokenOut) -> None:
+        for o in batch.outputs:
+            self.outputs.setdefault(o.rid, []).append(o)
+
+    def submit(self, prompt: list[int], rid: str | None = None, stream: bool = False, **sp) -> str:
+        rid = rid or f"r{next(_ids)}"
+        self.scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=list(prompt),
+                                                        sampling_params=SamplingParams.from_dict(sp),
+                                                        stream=stream))
+        return rid
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.step():
+                return
+            self.scheduler.check_integrity()
+        raise AssertionError("scheduler did not become idle")
+
+    def tokens(self, rid: str) -> list[int]:
+        return [t for o in self.outputs[rid] for t in o.new_token_ids]
+
+    def final(self, rid: str) -> ReqOutput:
+        finals = [o for o in self.outputs[rid] if o.finish_reason is not None]
+        assert len(finals) == 1, f"{rid}: {len(finals)} terminal outputs"
+        assert self.outputs[rid][-1] is finals[0], f"{rid}: output after the terminal one"
+        return finals[0]
+
+    def assert_idle_and_conserved(self) -> None:
+        assert self.scheduler.is_idle()
+        self.scheduler.check_integrity()
+        c = self.cache
+        assert c.protected() == 0, "locks left behind"
+        assert c.available() + c.evictable() == c.capacity
+
+
+def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None = None,
+                 disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
+                 context: int = 512, eos: tuple[int, ...] = (), **args) -> Harness:
+    server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
+                             debug_check_integrity=True, **args)
+    pool = ReqToTokenPool(max_running + 2, context)
+    alloc = TokenToKVPoolAllocator(capacity)
+    tree = NoPrefixCache(pool, alloc) if disable_cache else RadixCache(pool, alloc, page_size)
+    cache = CacheManager(tree, pool, alloc, page_size)
+    runner = FakeRunner(capacity, pool, vocab, context, eos)
+    h = Harness(None, runner, cache)  # type: ignore[arg-type]
+    h.scheduler = Scheduler(server_args, runner, cache, max_running_requests=max_running,
+                            chunked_prefill_size=chunk, send_output=h.on_output)
+    return h
