@@ -125,10 +125,11 @@ class PrefillAdder:
         if not self.in_batch_dedup:
             return False
         fill = req.fill_ids
-        for other in self._admitted_fills:
-            if _common_prefix_len(fill, other) - prefix_len >= IN_BATCH_PREFIX_DEDUP_MIN:
-                return True
-        return False
+        # Short prompts count as shared when all of their uncached part is (n > 1 children).
+        need = min(IN_BATCH_PREFIX_DEDUP_MIN, len(fill) - 1 - prefix_len)
+        if need <= 0:
+            return False
+        return any(_common_prefix_len(fill, other) - prefix_len >= need for other in self._admitted_fills)
 
     def add_one_req(self, req: Req) -> tuple[AddStatus, bool]:
         """Try to admit `req`. Returns (budget status, admitted)."""

@@ -14,7 +14,7 @@ import torch
 from radixlm.config import ModelConfig, ServerArgs
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.scheduler.batch import BatchResult, WorkerBatch
-from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
 from radixlm.srt.model_runner.sampler import Sampler, SamplingRow
@@ -79,7 +79,12 @@ def resolve_sizes(args: ServerArgs, cfg: ModelConfig, device: str, dtype: torch.
 
 
 def default_attention_backend(device: str) -> str:
-    return "triton" if device == "cuda" and "triton" in ATTENTION_BACKENDS else "torch_native"
+    if device == "cuda":
+        import importlib.util
+        if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
+                "radixlm.srt.model_runner.attention.triton") is not None:
+            return "triton"
+    return "torch_native"
 
 
 class ModelRunner:
@@ -110,8 +115,8 @@ class ModelRunner:
         if backend == "auto":
             backend = default_attention_backend(self.device)
         self.attention_backend_name = backend
-        self.attn = ATTENTION_BACKENDS.get(backend)(self.kv_pool, cfg.num_attention_heads,
-                                                    cfg.num_key_value_heads, cfg.head_dim)
+        self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
+                                             cfg.num_key_value_heads, cfg.head_dim)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
         self._req_to_token_dev = self.req_to_token_pool.req_to_token
         logger.info("model %s on %s (%s): KV capacity %d tokens, attention %s", self.model_path,

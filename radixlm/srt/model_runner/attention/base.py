@@ -31,3 +31,18 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+
+
+def create_attention_backend(name: str, kv_pool, num_heads: int, num_kv_heads: int,
+                             head_dim: int) -> AttentionBackend:
+    """Import the backend's module on demand (GPU libraries stay unimported elsewhere)."""
+    import importlib
+
+    if name not in ATTENTION_BACKENDS:
+        try:
+            importlib.import_module(f"radixlm.srt.model_runner.attention.{name}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.endswith(name):
+                raise ValueError(f"unknown attention backend {name!r}") from None
+            raise
+    return ATTENTION_BACKENDS.get(name)(kv_pool, num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,120 @@
+"""Offline throughput: N chat prompts, greedy, EOS ignored; prints one JSON object.
+
+    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--compare-hf]
+
+With --compare-hf, Hugging Face transformers generates the same prompts (same token ids,
+batched, greedy) in the same run, and the ratio of output tokens/s is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
+          "photosynthesis", "machine learning", "the water cycle", "plate tectonics",
+          "the printing press", "quantum computing", "coral reefs", "the Silk Road",
+          "volcanoes", "the immune system", "renewable energy", "ancient Egypt"]
+STYLES = ["Explain {} to a child.", "Write a short essay about {}.", "List five facts about {}.",
+          "Summarize what is known about {}."]
+
+
+def make_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = STYLES[(i // len(TOPICS)) % len(STYLES)].format(TOPICS[i % len(TOPICS)])
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict) -> dict:
+    from radixlm import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(**engine_kwargs)
+    load_s = time.perf_counter() - t0
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    wall = time.perf_counter() - t0
+    info = engine.get_server_info()
+    engine.shutdown()
+    out_tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"engine": "radixlm", "load_s": round(load_s, 2), "wall_s": round(wall, 3),
+            "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
+            "total_tok_per_s": round((out_tokens + sum(map(len, prompts))) / wall, 1),
+            "dtype": info["dtype"], "attention_backend": info["attention_backend"],
+            "outputs": [o["output_ids"] for o in outs]}
+
+
+def run_hf(prompts: list[list[int]], output_len: int, model_path: str, batch_size: int) -> dict:
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
+                                                 gguf_file=os.path.basename(model_path),
+                                                 torch_dtype=torch.float32)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    outputs = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, len(prompts), batch_size):
+            chunk = prompts[s:s + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
+            outputs.extend(g[width:].tolist() for g in gen)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(o) for o in outputs)
+    return {"engine": "hf-transformers", "load_s": round(load_s, 2), "wall_s": round(wall, 3),
+            "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
+            "dtype": "float32", "batch_size": batch_size, "outputs": outputs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    args = ap.parse_args()
+
+    from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
+
+    model_path = resolve_model_path(args.model_path)
+    tokenizer = load_tokenizer(model_path)
+    prompts = make_prompts(tokenizer, args.num_prompts)
+    result = {"workload": {"num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
+                           "output_len": args.output_len, "model": model_path}}
+    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
+    our_outputs = ours.pop("outputs")
+    result["radixlm"] = ours
+    if args.compare_hf:
+        hf = run_hf(prompts, args.output_len, model_path, args.hf_batch_size)
+        hf_outputs = hf.pop("outputs")
+        result["hf"] = hf
+        result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / hf["output_tok_per_s"], 2)
+        same = sum(a == b for a, b in zip(our_outputs, hf_outputs))
+        result["identical_outputs"] = f"{same}/{len(prompts)}"
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The offline Engine end to end on a tiny random Llama (fast) against Hugging Face."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm import Engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
+                 chunked_prefill_size=64, debug_check_integrity=True)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def _conserved(request):
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        eng.check_integrity()
+        mem = eng.get_server_info()["memory"]
+        assert mem["protected"] == 0 and mem["free"] + mem["evictable"] == mem["capacity"]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [[1, 5, 9, 100, 2000, 31], list(range(300, 340)), [7] * 3 + [8] * 20, [40000, 12, 13]]
+
+
+def test_greedy_ids_match_hf_in_a_batch(engine, hf_model):
+    outs = engine.generate(input_ids=PROMPTS, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                              "ignore_eos": True})
+    for p, o in zip(PROMPTS, outs):
+        assert o["output_ids"] == hf_greedy(hf_model, p, 12)
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+        assert o["meta_info"]["prompt_tokens"] == len(p)
+
+
+def test_chunked_prefill_equals_unchunked(tiny_llama_dir, engine, hf_model):
+    prompt = [(i * 37) % 5000 + 3 for i in range(200)]  # > chunk size 64
+    chunked = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                "ignore_eos": True})
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
+                chunked_prefill_size=-1) as whole:
+        unchunked = whole.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                                     "ignore_eos": True})
+    assert chunked["output_ids"] == unchunked["output_ids"] == hf_greedy(hf_model, prompt, 8)
+
+
+def test_prefix_reuse_is_reported(engine):
+    engine.flush_cache()
+    shared = [(i * 13) % 9000 + 5 for i in range(120)]
+    first = engine.generate(input_ids=shared + [1, 2], sampling_params={"max_new_tokens": 2})
+    steps_before = engine.get_server_info()["num_prefill_tokens"]
+    second = engine.generate(input_ids=shared + [3, 4], sampling_params={"max_new_tokens": 2})
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] >= 120
+    assert engine.get_server_info()["num_prefill_tokens"] - steps_before == 2
+
+
+def test_text_prompt_stream_and_stop_strings(engine):
+    prompt = "Hello there, how are you"
+    full = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+    chunks = list(engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+                                  stream=True))
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    text = full["text"]
+    if len(text) >= 6:
+        stop = text[3:6]
+        cut = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                       "stop": stop})
+        assert cut["text"] == text[:text.index(stop)]
+        assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        kept = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                        "stop": stop, "no_stop_trim": True})
+        assert kept["text"] == text[:text.index(stop) + len(stop)]
+
+
+def test_n_children_and_seeded_sampling(engine):
+    engine.flush_cache()
+    params = {"max_new_tokens": 6, "temperature": 1.0, "n": 3, "seed": 42, "ignore_eos": True}
+    a = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    b = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert len(a) == 3 and [x["output_ids"] for x in a] == [x["output_ids"] for x in b]
+    assert len({tuple(x["output_ids"]) for x in a}) > 1  # children differ
+    # the children share the prompt through the cache: only the first computed it
+    assert sorted(x["meta_info"]["cached_tokens"] for x in a)[1:] == [len(PROMPTS[0]) - 1] * 2
+
+
+def test_logprobs_match_hf(engine, hf_model):
+    prompt = PROMPTS[1]
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 5, "temperature": 0,
+                                                            "ignore_eos": True},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    meta = out["meta_info"]
+    seq = prompt + out["output_ids"]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([seq])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    out_lp = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    want = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out["output_ids"])]
+    assert out_lp == pytest.approx(want, abs=1e-4)
+    inp = meta["input_token_logprobs"]
+    assert len(inp) == len(prompt) and inp[0][0] is None
+    assert [lp for lp, _, _ in inp[1:]] == pytest.approx([ref[i - 1, prompt[i]].item()
+                                                          for i in range(1, len(prompt))], abs=1e-4)
+    top = meta["output_top_logprobs"][0]
+    assert len(top) == 3 and top[0][1] == out["output_ids"][0]
+
+
+@pytest.mark.parametrize("bad", [
+    {"prompt": ""},
+    {"input_ids": []},
+    {"input_ids": list(range(5000))},
+    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}},
+    {"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}},
+    {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}},
+    {"input_ids": [1, 2, 10**9]},
+])
+def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, bad):
+    with pytest.raises(ValueError):
+        engine.generate(**bad)
+    ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    assert len(ok["output_ids"]) == 3
+
+
+def test_server_info_and_progress_bar(engine, capsys):
+    outs = engine.generate(input_ids=[[i + 10, i + 11] for i in range(20)],
+                           sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert len(outs) == 20
+    assert "generate" in capsys.readouterr().err  # tqdm bar for a long batch
+    info = engine.get_server_info()
+    assert set(info["memory"]) == {"capacity", "free", "evictable", "protected"}
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+
+
+def test_disable_radix_cache(tiny_llama_dir):
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=2048,
+                disable_radix_cache=True, debug_check_integrity=True) as eng:
+        a = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        b = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert a["output_ids"] == b["output_ids"]
+        assert b["meta_info"]["cached_tokens"] == 0
+        assert eng.get_server_info()["memory"]["free"] == 2048
