@@ -1,0 +1,102 @@
+"""What the sampler is given per request, what it returns, and how a batch is classified.
+
+The model runner builds one `SamplingRow` per request of the batch; the sampler returns
+one `SampleOutput` for the whole batch. `BatchPlan` sorts the rows once per call into the
+groups that need different work (plain greedy, penalties, filtering, logprobs), so the
+sampler never touches a row with an operation it does not need.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from radixlm.sampling_params import SamplingParams
+
+__all__ = ["SamplingRow", "SampleOutput", "BatchPlan", "build_stop_ids"]
+
+
+def build_stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The tokens that would stop this request, i.e. the ones min_new_tokens must mask.
+
+    With ignore_eos the EOS ids do not stop the request, so they need no masking either;
+    only the explicit stop_token_ids remain.
+    """
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return frozenset(ids)
+
+
+@dataclass
+class SamplingRow:
+    """One request of the batch, as the sampler needs it."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    # Tokens generated so far; the token sampled now becomes output index len(output_ids).
+    output_ids: list[int]
+    # Tokens masked to -inf while len(output_ids) < params.min_new_tokens (see build_stop_ids).
+    stop_ids: frozenset[int] = frozenset()
+    return_logprob: bool = False
+    # Only honoured together with return_logprob.
+    top_logprobs_num: int = 0
+
+    @property
+    def needs_penalty(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    @property
+    def needs_bias(self) -> bool:
+        return bool(self.params.logit_bias)
+
+    @property
+    def min_new_active(self) -> bool:
+        return bool(self.stop_ids) and len(self.output_ids) < self.params.min_new_tokens
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: list[int]
+    # Raw-model logprob of the chosen token (log_softmax of the unprocessed logits);
+    # None where return_logprob was not set.
+    logprobs: list[float | None]
+    # Top `top_logprobs_num` (logprob, token id) by raw logprob, best first;
+    # None where not requested.
+    top_logprobs: list[list[tuple[float, int]] | None]
+
+
+@dataclass
+class BatchPlan:
+    """Row indices of the batch grouped by the work they need (built once per call)."""
+
+    greedy: list[int] = field(default_factory=list)
+    random: list[int] = field(default_factory=list)
+    penalty: list[int] = field(default_factory=list)  # repetition / frequency / presence
+    bias: list[int] = field(default_factory=list)  # logit_bias
+    min_new: list[int] = field(default_factory=list)  # stop ids masked this step
+    logprob: list[int] = field(default_factory=list)
+
+    @staticmethod
+    def build(rows: list[SamplingRow]) -> "BatchPlan":
+        plan = BatchPlan()
+        for i, r in enumerate(rows):
+            (plan.greedy if r.params.is_greedy else plan.random).append(i)
+            if r.needs_penalty:
+                plan.penalty.append(i)
+            if r.needs_bias:
+                plan.bias.append(i)
+            if r.min_new_active:
+                plan.min_new.append(i)
+            if r.return_logprob:
+                plan.logprob.append(i)
+        return plan
+
+    @property
+    def modifies_logits(self) -> bool:
+        return bool(self.penalty or self.bias or self.min_new)
+
+    @property
+    def fast_path(self) -> bool:
+        """All rows greedy and nothing alters the logits: one argmax decides the batch."""
+        return not self.random and not self.modifies_logits
