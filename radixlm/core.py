@@ -96,6 +96,7 @@ class Req:
     finished_time: float | None = None
     # Token count of output already delivered to the caller (streaming).
     sent_len: int = 0
+    detok_sent: bool = False
 
     # ---------------------------------------------------------------
     @property

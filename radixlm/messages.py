@@ -29,7 +29,35 @@ class AbortReq:
 
 
 @dataclass
-class FlushCacheReq:
+class RpcReq:
+    """A control request that expects exactly one RpcReply with the same call_id."""
+    call_id: int = 0
+
+
+@dataclass
+class FlushCacheReq(RpcReq):
+    pass
+
+
+@dataclass
+class GetInfoReq(RpcReq):
+    pass
+
+
+@dataclass
+class CheckIntegrityReq(RpcReq):
+    pass
+
+
+@dataclass
+class RpcReply:
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class ShutdownReq:
     pass
 
 
@@ -47,11 +75,33 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # What the detokenizer needs; set on the request's first output only.
+    detok: "DetokParams | None" = None
+
+
+@dataclass
+class DetokParams:
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
 
 
 @dataclass
 class BatchTokenOut:
     outputs: list[ReqOutput]
+
+
+@dataclass
+class ReqTextOutput:
+    """ReqOutput after detokenization: `new_text` is the newly released text."""
+    out: ReqOutput
+    new_text: str
+
+
+@dataclass
+class BatchTextOut:
+    outputs: list[ReqTextOutput]
 
 
 def encode(msg: Any) -> bytes:

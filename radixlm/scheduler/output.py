@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from radixlm.core import FinishReason, Req
-from radixlm.messages import ReqOutput
+from radixlm.messages import DetokParams, ReqOutput
 
 
 class StopStringChecker:
@@ -49,6 +49,11 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
         cached_tokens=req.cached_tokens,
         num_retractions=req.num_retractions,
     )
+    if start == 0 and not req.detok_sent:
+        sp = req.sampling_params
+        out.detok = DetokParams(tuple(sp.stop), sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                                sp.no_stop_trim)
+        req.detok_sent = True
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]
         out.output_top_logprobs = req.output_top_logprobs[start:]

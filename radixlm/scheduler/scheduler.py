@@ -14,7 +14,8 @@ import torch
 
 from radixlm.config import ServerArgs
 from radixlm.core import FinishReason, Req, ReqStatus
-from radixlm.messages import AbortReq, BatchTokenOut, FlushCacheReq, ReqOutput, TokenizedGenerateReq
+from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, FlushCacheReq, GetInfoReq, ReqOutput,
+                              TokenizedGenerateReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
@@ -57,6 +58,11 @@ class Scheduler:
             return self.abort(msg)
         if isinstance(msg, FlushCacheReq):
             return self.flush_cache()
+        if isinstance(msg, GetInfoReq):
+            return self.get_info()
+        if isinstance(msg, CheckIntegrityReq):
+            self.check_integrity()
+            return True
         raise TypeError(f"unknown message {type(msg).__name__}")
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -342,4 +348,4 @@ class Scheduler:
         return {"memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
-                **self.stats}
+                **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {})}

@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
 
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded, stable text so far (before stop trimming)
@@ -25,7 +26,8 @@ class IncrementalDetokenizer:
     stopped: bool = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def add(self, new_ids: list[int], finished: bool) -> str:
         """Append tokens; return the newly released text."""

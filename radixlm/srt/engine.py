@@ -1,19 +1,17 @@
-"""The offline Engine: generate on text or token ids, in this process.
+"""The offline Engine: the runtime's processes plus a TokenizerManager, with a sync API.
 
-The engine owns a ModelRunner, a prefix cache and a Scheduler, and drives the scheduler
-loop itself while a call waits for its requests.
+The TokenizerManager lives on an event loop in a background thread; `generate` blocks on it,
+`async_generate` bridges the caller's loop to it, so one Engine serves both kinds of caller.
 """
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+import threading
+from typing import Any, AsyncIterator, Iterator
 
 from radixlm.config import ServerArgs
-from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput
-from radixlm.srt.detokenizer import IncrementalDetokenizer
-from radixlm.srt.generate_request import GenerateItem, normalize_generate
 
 logger = logging.getLogger(__name__)
 
@@ -21,67 +19,64 @@ logger = logging.getLogger(__name__)
 PROGRESS_BAR_MIN_PROMPTS = 16
 
 
-@dataclass
-class ReqState:
-    """What the caller has been told about one request so far."""
-    rid: str
-    prompt_tokens: int
-    detok: IncrementalDetokenizer
-    start: float = field(default_factory=time.perf_counter)
-    output_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_ids: list[int] = field(default_factory=list)
-    finish_reason: dict | None = None
-    last: ReqOutput | None = None
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    input_token_logprobs: list | None = None
-    input_top_logprobs: list | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-def _with_text(pairs, tokenizer, with_text: bool):
-    if pairs is None:
-        return None
-    return [(lp, tok, tokenizer.decode([tok]) if with_text and tokenizer else None) for lp, tok in pairs]
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
 
 
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        from radixlm.radix_cache.no_cache import NoPrefixCache
-        from radixlm.radix_cache.radix_cache import RadixCache
-        from radixlm.scheduler.cache_manager import CacheManager
-        from radixlm.scheduler.scheduler import Scheduler
-        from radixlm.srt.model_runner.runner import ModelRunner
-        from radixlm.srt.weights.loader import load_tokenizer
+        from radixlm.srt.launch import launch_subprocesses
+        from radixlm.srt.tokenizer_manager import TokenizerManager
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.basicConfig(level=self.server_args.log_level.upper())
-        args = self.server_args
-        self.runner = ModelRunner(args)
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.runner.model_path)
-        if args.disable_radix_cache:
-            tree = NoPrefixCache(self.runner.req_to_token_pool, self.runner.allocator)
-        else:
-            tree = RadixCache(self.runner.req_to_token_pool, self.runner.allocator, args.page_size,
-                              args.radix_eviction_policy)
-        self.cache = CacheManager(tree, self.runner.req_to_token_pool, self.runner.allocator, args.page_size)
-        sizes = self.runner.sizes
-        self.scheduler = Scheduler(args, self.runner, self.cache,
-                                   max_running_requests=sizes.max_running_requests,
-                                   chunked_prefill_size=sizes.chunked_prefill_size,
-                                   tokenizer=self.tokenizer, send_output=self._on_output)
-        self._states: dict[str, ReqState] = {}
         self._closed = False
+        self.procs = launch_subprocesses(self.server_args)
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True)
+        self._thread.start()
+
+        async def make() -> TokenizerManager:
+            tm = TokenizerManager(self.server_args, self.procs.ports, self.procs.scheduler_info)
+            tm.start()
+            return tm
+        try:
+            self.tokenizer_manager = self._call(make())
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.tokenizer_manager.tokenizer
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro, timeout: float | None = None):
+        if self._closed:
+            coro.close()
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _bridge(self, coro):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        if not self._closed:
-            self.scheduler.abort(AbortReq(abort_all=True))
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        tm = getattr(self, "tokenizer_manager", None)
+        if tm is not None and self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(tm.close(), self._loop).result(5)
+            except Exception:
+                pass
+        if hasattr(self, "_loop"):
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        self.procs.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -93,141 +88,111 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                  return_text_in_logprobs: bool = False):
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        items, is_batch = normalize_generate(
-            self.tokenizer, vocab_size=self.runner.vocab_size, context_len=self.runner.max_context_len,
-            prompt=prompt, input_ids=input_ids, sampling_params=sampling_params,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, rid=rid, stream=stream)
-        rids = self._submit(items)
+        kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                  return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                  top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
+                  return_text_in_logprobs=return_text_in_logprobs)
+        tm = self.tokenizer_manager
         if stream:
-            return self._stream(rids, items[0], return_text_in_logprobs)
-        self._run(rids, show_progress=is_batch and len(rids) >= PROGRESS_BAR_MIN_PROMPTS)
-        results = [self._result(self._states.pop(r), return_text_in_logprobs) for r in rids]
-        if not is_batch and len(results) == 1:
-            return results[0]
-        return results
+            agen = tm.generate_request(**kw)
+            first = self._call(self._prime(agen))  # raise ValueError now, not at the first next()
+            return self._sync_iter(agen, first)
+        n_prompts = len(prompt if isinstance(prompt, list) else
+                        input_ids if input_ids and isinstance(input_ids[0], list) else [0])
+        if n_prompts >= PROGRESS_BAR_MIN_PROMPTS:
+            return self._call(self._collect_with_progress(kw, n_prompts))
+        return self._call(self._collect(tm.generate_request(**kw)))
 
-    def _submit(self, items: list[GenerateItem]) -> list[str]:
-        reqs = [r for item in items for r in item.expand()]
-        clash = [r.rid for r in reqs if r.rid in self._states]
-        if clash:
-            raise ValueError(f"request id already in use: {clash[0]}")
-        for item in items:
-            sp = item.sampling_params
-            for r in item.expand():
-                self._states[r.rid] = ReqState(r.rid, len(r.input_ids), IncrementalDetokenizer(
-                    self.tokenizer, sp.stop, sp.skip_special_tokens, sp.no_stop_trim))
-        for r in reqs:
-            self.scheduler.add_request(r)
-        return [r.rid for r in reqs]
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
+                             logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
+                             return_text_in_logprobs: bool = False):
+        kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+                  return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                  top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
+                  return_text_in_logprobs=return_text_in_logprobs)
+        agen = self.tokenizer_manager.generate_request(**kw)
+        if stream:
+            first = await self._bridge(self._prime(agen))
+            return self._async_iter(agen, first)
+        return await self._bridge(self._collect(agen))
 
-    def _run(self, rids: list[str], show_progress: bool) -> None:
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(rids), desc="generate", unit="req")
-        done = 0
-        while True:
-            n = sum(1 for r in rids if self._states[r].finished)
-            if bar is not None and n > done:
-                bar.update(n - done)
-            done = n
-            if done == len(rids):
-                break
-            if not self.scheduler.step():
-                missing = [r for r in rids if not self._states[r].finished]
-                raise RuntimeError(f"scheduler idle with unfinished requests {missing[:4]}")
-        if bar is not None:
-            bar.close()
+    @staticmethod
+    async def _collect(agen):
+        async for out in agen:
+            return out
+        raise RuntimeError("no result")
 
-    def _stream(self, rids: list[str], item: GenerateItem, with_text: bool) -> Iterator[dict]:
+    async def _collect_with_progress(self, kw: dict, n: int):
+        from tqdm import tqdm
+
+        tm = self.tokenizer_manager
+        items, _ = tm.normalize(**{k: v for k, v in kw.items() if k != "return_text_in_logprobs"})
+        bar = tqdm(total=n, desc="generate", unit="req")
+
+        async def one(i: int):
+            sub = dict(kw)
+            sub["rid"] = items[i].rid
+            sub.pop("prompt")
+            sub["input_ids"] = items[i].input_ids
+            sub["sampling_params"] = items[i].sampling_params
+            sub["return_logprob"] = items[i].return_logprob
+            sub["logprob_start_len"] = items[i].logprob_start_len if items[i].return_logprob else None
+            sub["top_logprobs_num"] = items[i].top_logprobs_num
+            out = await self._collect(tm.generate_request(**sub))
+            bar.update(1)
+            return out if isinstance(out, list) else [out]
         try:
-            while True:
-                pending = [r for r in rids if r in self._states]
-                if not pending:
-                    return
-                for r in pending:
-                    st = self._states[r]
-                    if st.new_ids or st.new_text or st.finished:
-                        chunk = self._chunk(st, with_text)
-                        if st.finished:
-                            del self._states[r]
-                        yield chunk
-                if any(not self._states[r].finished for r in rids if r in self._states):
-                    if not self.scheduler.step():
-                        raise RuntimeError("scheduler idle with a streaming request unfinished")
+            groups = await asyncio.gather(*(one(i) for i in range(len(items))))
         finally:
-            live = [r for r in rids if r in self._states]
-            for r in live:  # the caller stopped iterating: cancel what is left
-                self.scheduler.abort(AbortReq(rid=r))
-                self._states.pop(r, None)
+            bar.close()
+        return [o for g in groups for o in g]
 
-    # ------------------------------------------------------------------ outputs
-    def _on_output(self, batch: BatchTokenOut) -> None:
-        for out in batch.outputs:
-            st = self._states.get(out.rid)
-            if st is None:
-                continue
-            st.output_ids.extend(out.new_token_ids)
-            st.new_ids.extend(out.new_token_ids)
-            st.new_text += st.detok.add(out.new_token_ids, finished=out.finish_reason is not None)
-            st.output_token_logprobs.extend(out.output_token_logprobs)
-            st.output_top_logprobs.extend(out.output_top_logprobs)
-            if out.input_token_logprobs is not None and st.input_token_logprobs is None:
-                st.input_token_logprobs = out.input_token_logprobs
-                st.input_top_logprobs = out.input_top_logprobs
-            st.last = out
-            if out.finish_reason is not None:
-                st.finish_reason = out.finish_reason
+    # Streaming: the first chunk is fetched eagerly so validation errors surface at the call.
+    @staticmethod
+    async def _prime(agen):
+        try:
+            return await agen.__anext__()
+        except StopAsyncIteration:
+            return None
 
-    def _meta(self, st: ReqState, with_text: bool) -> dict:
-        out = st.last
-        meta = {"id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
-                "completion_tokens": len(st.output_ids),
-                "cached_tokens": out.cached_tokens if out else 0,
-                "num_retractions": out.num_retractions if out else 0,
-                "e2e_latency": time.perf_counter() - st.start}
-        if st.output_token_logprobs or st.input_token_logprobs is not None:
-            meta["output_token_logprobs"] = _with_text(st.output_token_logprobs, self.tokenizer, with_text)
-            meta["output_top_logprobs"] = [_with_text(t, self.tokenizer, with_text)
-                                           for t in st.output_top_logprobs]
-            meta["input_token_logprobs"] = _with_text(st.input_token_logprobs or [], self.tokenizer,
-                                                      with_text)
-            meta["input_top_logprobs"] = [_with_text(t, self.tokenizer, with_text)
-                                          for t in (st.input_top_logprobs or [])]
-        return meta
+    def _sync_iter(self, agen, first) -> Iterator[dict]:
+        try:
+            if first is not None:
+                yield first
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                self._call(agen.aclose())
 
-    def _result(self, st: ReqState, with_text: bool) -> dict:
-        return {"text": st.detok.output_text, "output_ids": list(st.output_ids),
-                "meta_info": self._meta(st, with_text)}
-
-    def _chunk(self, st: ReqState, with_text: bool) -> dict:
-        chunk = {"text": st.new_text, "output_ids": st.new_ids, "meta_info": self._meta(st, with_text)}
-        st.new_text, st.new_ids = "", []
-        return chunk
+    async def _async_iter(self, agen, first) -> AsyncIterator[dict]:
+        try:
+            if first is not None:
+                yield first
+            while True:
+                try:
+                    yield await self._bridge(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._closed:
+                await self._bridge(agen.aclose())
 
     # ------------------------------------------------------------------ control
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        if not rid and not abort_all:
-            logger.warning("abort_request with an empty rid and abort_all=False is ignored")
-            return
-        self.scheduler.abort(AbortReq(rid=rid, abort_all=abort_all))
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> None:
+        tm = self.tokenizer_manager
+        self._loop.call_soon_threadsafe(tm.abort_request, rid, abort_all, prefix)
 
-    def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+    def flush_cache(self, timeout: float = 30.0) -> bool:
+        return self._call(self.tokenizer_manager.flush_cache(timeout))
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        self._call(self.tokenizer_manager.check_integrity())
 
     def get_server_info(self) -> dict:
-        info = self.scheduler.get_info()
-        info.update({"model_path": self.runner.model_path, "dtype": str(self.runner.dtype).replace("torch.", ""),
-                     "device": self.runner.device, "attention_backend": self.runner.attention_backend_name,
-                     "max_total_num_tokens": self.runner.sizes.max_total_tokens,
-                     "max_running_requests": self.runner.sizes.max_running_requests,
-                     "chunked_prefill_size": self.runner.sizes.chunked_prefill_size,
-                     "context_length": self.runner.max_context_len,
-                     "server_args": {k: v for k, v in vars(self.server_args).items()}})
+        info = self._call(self.tokenizer_manager.get_server_info())
+        info["server_args"] = dict(vars(self.server_args))
         return info

@@ -122,6 +122,14 @@ class ModelRunner:
         logger.info("model %s on %s (%s): KV capacity %d tokens, attention %s", self.model_path,
                     self.device, self.dtype, self.sizes.max_total_tokens, backend)
 
+    def info(self) -> dict:
+        return {"model_path": self.model_path, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": self.device, "attention_backend": self.attention_backend_name,
+                "max_total_num_tokens": self.sizes.max_total_tokens,
+                "max_running_requests": self.sizes.max_running_requests,
+                "chunked_prefill_size": self.sizes.chunked_prefill_size,
+                "context_length": self.max_context_len, "vocab_size": self.vocab_size}
+
     # ------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: WorkerBatch) -> BatchResult:

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the runtime (prefix `radixlm:`), one registry per TokenizerManager.
+
+Counters and latency histograms are recorded where requests are seen (the tokenizer
+manager); scheduler gauges are read from the scheduler when /metrics is scraped.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
+
+
+class RuntimeMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("radixlm:num_requests", "requests received", registry=r)
+        self.aborted = Counter("radixlm:num_aborted_requests", "requests that ended with abort", registry=r)
+        self.prompt_tokens = Counter("radixlm:prompt_tokens", "prompt tokens received", registry=r)
+        self.generation_tokens = Counter("radixlm:generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("radixlm:cached_tokens", "prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.ttft = Histogram("radixlm:time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixlm:inter_token_latency_seconds", "time between tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixlm:e2e_request_latency_seconds", "request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("radixlm:num_running_reqs", "requests decoding", registry=r)
+        self.queued = Gauge("radixlm:num_queue_reqs", "requests waiting", registry=r)
+        self.token_usage = Gauge("radixlm:token_usage", "fraction of KV slots held by requests or cache",
+                                 registry=r)
+        self.cache_hit_rate = Gauge("radixlm:cache_hit_rate", "cached / prompt tokens", registry=r)
+        self.new_token_ratio = Gauge("radixlm:new_token_ratio", "decode reservation ratio", registry=r)
+        self.retractions = Gauge("radixlm:num_retracted_requests_total", "retractions so far", registry=r)
+        self._prompt = 0
+        self._cached = 0
+
+    def on_request(self, prompt_tokens: int) -> None:
+        self.requests.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self._prompt += prompt_tokens
+
+    def observe_ttft(self, s: float) -> None:
+        self.ttft.observe(s)
+
+    def observe_itl(self, s: float) -> None:
+        self.itl.observe(s)
+
+    def on_finish(self, state, out) -> None:
+        self.generation_tokens.inc(out.completion_tokens)
+        self.cached_tokens.inc(out.cached_tokens)
+        self._cached += out.cached_tokens
+        self.e2e.observe(max(0.0, time.perf_counter() - state.start))
+        if out.finish_reason and out.finish_reason.get("type") == "abort":
+            self.aborted.inc()
+
+    def render(self, scheduler_info: dict | None) -> bytes:
+        if scheduler_info:
+            mem = scheduler_info["memory"]
+            self.running.set(scheduler_info["num_running_reqs"])
+            self.queued.set(scheduler_info["num_waiting_reqs"])
+            self.token_usage.set((mem["capacity"] - mem["free"]) / max(mem["capacity"], 1))
+            self.new_token_ratio.set(scheduler_info["new_token_ratio"])
+            self.retractions.set(scheduler_info["num_retractions"])
+        self.cache_hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
+        return generate_latest(self.registry)
