@@ -71,6 +71,14 @@ class ServerArgs:
                                       choices=("lru", "lfu", "fifo", "priority"), default="lru")
     attention_backend: str = _opt("attention implementation",
                                   choices=("auto", "torch_native", "triton", "flashinfer"), default="auto")
+    retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
+                                  choices=("length", "priority"), default="length")
+    max_queued_requests: int | None = _opt("reject new requests with 503 beyond this many waiting",
+                                           default=None)
+    request_waiting_timeout: float | None = _opt("abort with 503 a request waiting longer than this (s)",
+                                                 default=None)
+    request_running_timeout: float | None = _opt("abort with 503 a request running longer than this (s)",
+                                                 default=None)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",

@@ -67,6 +67,7 @@ class Req:
     extra_key: str | None = None
     priority: int = 0
     stream: bool = False
+    timeout: float | None = None  # seconds from arrival (per-request deadline)
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
@@ -92,6 +93,8 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     created_time: float = field(default_factory=time.perf_counter)
+    admit_time: float | None = None  # first admission (running-timeout clock)
+    abort_sent_time: float | None = None  # wall time of the abort call, for cancel latency
     first_token_time: float | None = None
     finished_time: float | None = None
     # Token count of output already delivered to the caller (streaming).

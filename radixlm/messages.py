@@ -19,6 +19,7 @@ class TokenizedGenerateReq:
     stream: bool = False
     extra_key: str | None = None
     priority: int = 0
+    timeout: float | None = None  # seconds from arrival; past it the request ends with 503
 
 
 @dataclass
@@ -26,6 +27,9 @@ class AbortReq:
     rid: str = ""
     abort_all: bool = False
     prefix: bool = False
+    # Exact scheduler rids (the tokenizer manager resolves names to these).
+    rids: list[str] = field(default_factory=list)
+    sent_time: float = 0.0  # time.time() at the abort call, for cancel latency
 
 
 @dataclass
@@ -36,6 +40,16 @@ class RpcReq:
 
 @dataclass
 class FlushCacheReq(RpcReq):
+    pass
+
+
+@dataclass
+class PauseReq(RpcReq):
+    mode: str = "abort"  # "abort" | "retract" | "in_place"
+
+
+@dataclass
+class ContinueReq(RpcReq):
     pass
 
 

@@ -13,6 +13,8 @@ def abort_matches(msg: AbortReq, rid: str) -> bool:
     unrelated rid that merely starts with the same characters (unless prefix mode)."""
     if msg.abort_all:
         return True
+    if msg.rids:
+        return rid in msg.rids
     if not msg.rid:
         return False
     if rid == msg.rid:

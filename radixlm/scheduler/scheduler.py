@@ -6,6 +6,7 @@ process its result → send outputs.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Callable
@@ -14,8 +15,8 @@ import torch
 
 from radixlm.config import ServerArgs
 from radixlm.core import FinishReason, Req, ReqStatus
-from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, FlushCacheReq, GetInfoReq, ReqOutput,
-                              TokenizedGenerateReq)
+from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
+                              PauseReq, ReqOutput, TokenizedGenerateReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
@@ -30,8 +31,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunnerProtocol, cache: CacheManager,
                  *, max_running_requests: int, chunked_prefill_size: int | None,
-                 tokenizer=None, send_output: Callable[[BatchTokenOut], None] | None = None,
-                 retraction_policy: str = "length") -> None:
+                 tokenizer=None, send_output: Callable[[BatchTokenOut], None] | None = None) -> None:
         self.args = args
         self.runner = runner
         self.cache = cache
@@ -41,14 +41,19 @@ class Scheduler:
         self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
-        self.retraction_policy = retraction_policy
+        self.retraction_policy = args.retraction_policy
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self._pending_out: list[ReqOutput] = []
+        self.paused = False
         self.stats = {"num_retractions": 0, "num_prefill_tokens": 0, "num_decode_tokens": 0,
-                      "num_cached_tokens": 0, "num_steps": 0, "num_aborted": 0, "num_finished": 0}
+                      "num_cached_tokens": 0, "num_steps": 0, "num_aborted": 0, "num_finished": 0,
+                      "aborts_waiting": 0, "aborts_chunked": 0, "aborts_running": 0,
+                      "aborts_in_flight": 0, "num_timeouts": 0, "num_rejected": 0}
+        # abort call -> KV returned, seconds (bounded window for percentiles)
+        self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
 
     # ================================================================ messages
     def handle(self, msg) -> object:
@@ -63,6 +68,10 @@ class Scheduler:
         if isinstance(msg, CheckIntegrityReq):
             self.check_integrity()
             return True
+        if isinstance(msg, PauseReq):
+            return self.pause(msg.mode)
+        if isinstance(msg, ContinueReq):
+            return self.resume()
         raise TypeError(f"unknown message {type(msg).__name__}")
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -70,11 +79,20 @@ class Scheduler:
                   eos_token_ids=frozenset(getattr(self.runner, "eos_token_ids", ())),
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len, extra_key=msg.extra_key,
-                  priority=msg.priority, stream=msg.stream)
+                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
         error = self._validate(req)
         if error is not None:
             req.finish_reason = FinishReason.abort(error, status_code=400)
             self._emit(req)
+            self._flush_outputs()
+            return
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            req.finish_reason = FinishReason.abort(f"the queue is full ({limit} waiting requests)",
+                                                   status_code=503)
+            self.stats["num_rejected"] += 1
+            self._emit(req)
+            self._flush_outputs()
             return
         self.waiting.append(req)
 
@@ -93,26 +111,111 @@ class Scheduler:
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
         return None
 
+    def in_flight_reqs(self) -> set[int]:
+        """ids of requests inside a launched batch whose result is not processed yet (the
+        overlap loop overrides this; the normal loop has none between iterations)."""
+        return set()
+
     def abort(self, msg: AbortReq) -> int:
-        """Abort matching requests that are not inside a launched batch (the normal loop has
-        none between iterations). Returns how many were aborted."""
+        """Apply an abort at the top of an iteration; returns how many requests it hit."""
+        if msg.rids and not isinstance(msg.rids, set):
+            msg.rids = set(msg.rids)  # type: ignore[assignment]
+        reason = FinishReason.abort()
+        in_flight = self.in_flight_reqs()
         count = 0
+        # method 1: not admitted (waiting, or retracted and waiting to resume)
         for req in [r for r in self.waiting if abort_matches(msg, r.rid)]:
             self.waiting.remove(req)
-            self._finish(req, FinishReason.abort(), insert=True)
+            req.abort_sent_time = msg.sent_time or None
+            self._finish(req, reason, insert=True)
+            self.stats["aborts_waiting"] += 1
             count += 1
-        if self.chunked_req is not None and abort_matches(msg, self.chunked_req.rid):
-            # Chunks already computed are in the tree; the next chunk is never scheduled.
-            req, self.chunked_req = self.chunked_req, None
-            self._finish(req, FinishReason.abort(), insert=True)
+        # chunked prefill: computed chunks stay in the tree, the next chunk never runs
+        req = self.chunked_req
+        if req is not None and abort_matches(msg, req.rid):
+            req.abort_sent_time = msg.sent_time or None
+            if id(req) in in_flight:
+                req.to_finish = reason
+                self.stats["aborts_in_flight"] += 1
+            else:
+                self.chunked_req = None
+                self._finish(req, reason, insert=True)
+                self.stats["aborts_chunked"] += 1
             count += 1
-        for req in [r for r in self.running if abort_matches(msg, r.rid)]:
-            self.running.remove(req)
-            self._finish(req, FinishReason.abort(), insert=True)
+        # method 3: running; inside a launched batch the next result processing consumes it
+        for req in [r for r in self.running if abort_matches(msg, r.rid) and r.to_finish is None]:
+            req.abort_sent_time = msg.sent_time or None
+            if id(req) in in_flight:
+                req.to_finish = reason
+                self.stats["aborts_in_flight"] += 1
+            else:
+                self.running.remove(req)
+                self._finish(req, reason, insert=True)
+                self.stats["aborts_running"] += 1
             count += 1
         self.stats["num_aborted"] += count
         self._flush_outputs()
         return count
+
+    def check_timeouts(self) -> None:
+        """Per-request deadlines and the server-wide waiting/running limits (503)."""
+        now = time.perf_counter()
+        wait_limit, run_limit = self.args.request_waiting_timeout, self.args.request_running_timeout
+
+        def expired(req: Req, waiting: bool) -> str | None:
+            if req.timeout is not None and now - req.created_time > req.timeout:
+                return f"request timed out after {req.timeout:g} s"
+            if waiting and wait_limit is not None and now - req.created_time > wait_limit:
+                return f"request waited longer than {wait_limit:g} s in the queue"
+            if not waiting and run_limit is not None and req.admit_time is not None \
+                    and now - req.admit_time > run_limit:
+                return f"request ran longer than {run_limit:g} s"
+            return None
+
+        for req in list(self.waiting):
+            why = expired(req, waiting=True)
+            if why:
+                self.waiting.remove(req)
+                self._finish(req, FinishReason.abort(why, status_code=503), insert=True)
+                self.stats["num_timeouts"] += 1
+        in_flight = self.in_flight_reqs()
+        live = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        for req in live:
+            why = req.to_finish is None and expired(req, waiting=False)
+            if not why:
+                continue
+            self.stats["num_timeouts"] += 1
+            reason = FinishReason.abort(why, status_code=503)
+            if id(req) in in_flight:
+                req.to_finish = reason
+            elif req is self.chunked_req:
+                self.chunked_req = None
+                self._finish(req, reason, insert=True)
+            else:
+                self.running.remove(req)
+                self._finish(req, reason, insert=True)
+
+    def pause(self, mode: str) -> bool:
+        """Stop scheduling. abort: answer everything; retract: running requests go back to
+        waiting and their KV to the tree; in_place: keep requests and KV as they are."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self.paused = True
+        if mode == "abort":
+            self.abort(AbortReq(abort_all=True))
+        elif mode == "retract":
+            for req in list(self.running):
+                self._retract(req)
+            self.running = []
+            if self.chunked_req is not None:
+                self._retract(self.chunked_req)
+                self.chunked_req = None
+            self._flush_outputs()
+        return True
+
+    def resume(self) -> bool:
+        self.paused = False
+        return True
 
     def flush_cache(self) -> bool:
         if not self.is_idle():
@@ -133,7 +236,8 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration. Returns False when there was nothing to do."""
-        batch = self.get_next_batch()
+        self.check_timeouts()
+        batch = None if self.paused else self.get_next_batch()
         if batch is None:
             self.ratio.on_idle()
             self._flush_outputs()
@@ -185,6 +289,10 @@ class Scheduler:
             self.chunked_req = None  # back in process_prefill_result if a chunk remains
         admitted = {id(r) for r in plan.reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        now = time.perf_counter()
+        for r in plan.reqs:
+            if r.admit_time is None:
+                r.admit_time = now
         input_ids: list[int] = []
         ranges, targets = [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
@@ -244,10 +352,7 @@ class Scheduler:
         order = retraction_order(self.running, self.retraction_policy)
         retracted = 0
         while len(order) > 1 and not self._decode_fits(len(order), RETRACT_DECODE_STEPS):
-            victim = order.pop()
-            self.cache.release(victim, insert=True)
-            victim.reset_for_retract()
-            self.waiting.append(victim)
+            self._retract(order.pop())
             retracted += 1
         self.running = [r for r in self.running if r in order]
         if retracted:
@@ -261,10 +366,21 @@ class Scheduler:
                 self._finish(req, FinishReason.abort("out of memory: the KV cache cannot hold this "
                                                      "request", status_code=500), insert=True)
 
+    def _retract(self, req: Req) -> None:
+        """Back to waiting: computed KV goes to the tree (reused on resume if it survives)."""
+        self.cache.release(req, insert=True)
+        req.reset_for_retract()
+        self.waiting.append(req)
+
     # ================================================================ results
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:
         for i, req in enumerate(batch.reqs):
             self.cache.commit(req, batch.extend_lens[i])
+            if req.to_finish is not None:  # aborted while this batch was in flight
+                if self.chunked_req is req:
+                    self.chunked_req = None
+                self._finish(req, req.to_finish, insert=True)
+                continue
             if result.input_logprobs[i] is not None:
                 self._record_input_logprobs(req, batch, i, result)
             if not batch.sample[i]:
@@ -328,6 +444,8 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.finished_time = time.perf_counter()
         self.cache.release(req, insert=insert)
+        if req.abort_sent_time is not None and reason.type == "abort":
+            self.cancel_latencies.append(max(0.0, time.time() - req.abort_sent_time))
         self.stats["num_finished"] += 1
         self._emit(req)
 
@@ -345,7 +463,11 @@ class Scheduler:
 
     # ================================================================ info
     def get_info(self) -> dict:
-        return {"memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
+        lat = sorted(self.cancel_latencies)
+        cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
+                  "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
+        return {"cancel_latency_s": cancel, "paused": self.paused,
+                "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
                 **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {})}

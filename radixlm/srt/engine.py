@@ -87,11 +87,11 @@ class Engine:
     # ------------------------------------------------------------------ generate
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                 return_text_in_logprobs: bool = False):
+                 return_text_in_logprobs: bool = False, timeout: float | None = None):
         kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
                   return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                   top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
-                  return_text_in_logprobs=return_text_in_logprobs)
+                  return_text_in_logprobs=return_text_in_logprobs, timeout=timeout)
         tm = self.tokenizer_manager
         if stream:
             agen = tm.generate_request(**kw)
@@ -105,11 +105,11 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                             return_text_in_logprobs: bool = False):
+                             return_text_in_logprobs: bool = False, timeout: float | None = None):
         kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
                   return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                   top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
-                  return_text_in_logprobs=return_text_in_logprobs)
+                  return_text_in_logprobs=return_text_in_logprobs, timeout=timeout)
         agen = self.tokenizer_manager.generate_request(**kw)
         if stream:
             first = await self._bridge(self._prime(agen))
@@ -185,6 +185,12 @@ class Engine:
     def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> None:
         tm = self.tokenizer_manager
         self._loop.call_soon_threadsafe(tm.abort_request, rid, abort_all, prefix)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._call(self.tokenizer_manager.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self._call(self.tokenizer_manager.continue_generation())
 
     def flush_cache(self, timeout: float = 30.0) -> bool:
         return self._call(self.tokenizer_manager.flush_cache(timeout))

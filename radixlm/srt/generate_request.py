@@ -24,6 +24,7 @@ class GenerateItem:
     logprob_start_len: int
     top_logprobs_num: int
     stream: bool
+    timeout: float | None = None
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -42,7 +43,8 @@ class GenerateItem:
         return TokenizedGenerateReq(rid=rid, input_ids=self.input_ids, sampling_params=sp,
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
-                                    logprob_start_len=self.logprob_start_len, stream=self.stream)
+                                    logprob_start_len=self.logprob_start_len, stream=self.stream,
+                                    timeout=self.timeout)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -56,7 +58,7 @@ def _as_list(x: Any, n: int, name: str) -> list:
 def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=None,
                        input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
-                       stream: bool = False) -> tuple[list[GenerateItem], bool]:
+                       stream: bool = False, timeout: float | None = None) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt and input_ids must be given")
@@ -79,6 +81,8 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         if not isinstance(ids_list, list):
             raise ValueError("input_ids must be a list of token ids or a list of such lists")
     n = len(ids_list)
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if is_batch and stream:
         raise ValueError("stream=True takes a single prompt")
     sps = _as_list(sampling_params, n, "sampling_params")
@@ -123,5 +127,5 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         top = int(tln[i] or 0)
         if top < 0:
             raise ValueError("top_logprobs_num must be >= 0")
-        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream))
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout))
     return items, is_batch

@@ -17,19 +17,57 @@ import zmq.asyncio
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
-from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, FlushCacheReq, GetInfoReq,
-                              ReqTextOutput, RpcReply, RpcReq)
+from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
+                              PauseReq, ReqTextOutput, RpcReply, RpcReq)
+from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
 
 logger = logging.getLogger(__name__)
 
+# Prompts longer than this are tokenized in a worker thread.
+TOKENIZE_INLINE_MAX_CHARS = 20_000
+
+
+class _Tokenizing:
+    """Requests between arrival and submission (tokenizing, or held while paused); an abort
+    marks them so they are never sent."""
+
+    def __init__(self, rids: list[str]) -> None:
+        self.rids = rids
+        self.aborted = False
+
+
+def _assign_rids(kw: dict) -> list[str]:
+    """Give every prompt of the call its rid now, so an abort can name it while tokenizing."""
+    import uuid
+    prompt, input_ids = kw.get("prompt"), kw.get("input_ids")
+    n = len(prompt) if isinstance(prompt, list) else (
+        len(input_ids) if input_ids and isinstance(input_ids[0], list) else 1)
+    if kw.get("rid") is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+        kw["rid"] = rids if (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list))) else rids[0]
+    rid = kw["rid"]
+    return list(rid) if isinstance(rid, list) else [rid]
+
+
+def _aborted_result(rid: str, prompt_tokens: int) -> dict:
+    return {"text": "", "output_ids": [],
+            "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": "Aborted by the client",
+                                                       "status_code": 200},
+                          "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
+                          "num_retractions": 0, "e2e_latency": 0.0}}
+
 
 @dataclass
 class ReqState:
-    rid: str
+    rid: str  # the caller's id (meta_info["id"])
     prompt_tokens: int
     stream: bool
+    # The scheduler's id: unique per submission, so a late output of an aborted request can
+    # never be mistaken for a new request that reuses its rid.
+    sched_rid: str = ""
+    abort_sent: bool = False
     start: float = field(default_factory=time.perf_counter)
     pending: list[ReqTextOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -65,6 +103,11 @@ class TokenizerManager:
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
         self.to_scheduler = AsyncSender(self._sctx, ports.scheduler_input)
         self.states: dict[str, ReqState] = {}
+        self._by_sched_rid: dict[str, ReqState] = {}
+        self.tokenizing: list[_Tokenizing] = []
+        self._submissions = itertools.count()
+        self.paused = False
+        self._resumed = asyncio.Event()
         self._rpc: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
@@ -105,7 +148,7 @@ class TokenizerManager:
                         fut.set_result(msg.result)
 
     def _on_output(self, o: ReqTextOutput) -> None:
-        st = self.states.get(o.out.rid)
+        st = self._by_sched_rid.get(o.out.rid)
         if st is None:
             return  # the caller is gone (aborted); its terminal output needs no reader
         now = time.perf_counter()
@@ -148,11 +191,45 @@ class TokenizerManager:
             await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ abort
-    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> None:
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort by rid (plus its n > 1 children), by rid prefix, or everything; returns how many
+        requests were newly aborted. Each request is sent to the scheduler at most once; an
+        unknown or finished rid is a no-op."""
         if not rid and not abort_all:
             logger.warning("abort_request with an empty rid and abort_all=False is ignored")
-            return
-        self.to_scheduler.send(AbortReq(rid=rid, abort_all=abort_all, prefix=prefix))
+            return 0
+        msg = AbortReq(rid=rid, abort_all=abort_all, prefix=prefix)
+        now = time.time()
+        # requests still being tokenized are stopped before they are ever sent
+        hit_tokenizing = [t for t in self.tokenizing
+                          if not t.aborted and any(abort_matches(msg, r) for r in t.rids)]
+        for t in hit_tokenizing:
+            t.aborted = True
+        targets = [st for st in self.states.values()
+                   if not st.abort_sent and not st.finished and abort_matches(msg, st.rid)]
+        for st in targets:
+            st.abort_sent = True
+        if abort_all:
+            self.to_scheduler.send(AbortReq(abort_all=True, sent_time=now))
+        elif targets:
+            self.to_scheduler.send(AbortReq(rids=[st.sched_rid for st in targets], sent_time=now))
+        return len(targets) + len(hit_tokenizing)
+
+    # ------------------------------------------------------------------ pause
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating; new requests wait here until continue_generation."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self.abort_request(abort_all=True)
+        await self.rpc(PauseReq(mode=mode))
+
+    async def continue_generation(self) -> None:
+        await self.rpc(ContinueReq())
+        self.paused = False
+        self._resumed.set()
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
@@ -161,31 +238,56 @@ class TokenizerManager:
     async def generate_request(self, *, return_text_in_logprobs: bool = False, **kw) -> AsyncIterator:
         """Yields incremental chunks when streaming, else one final result (a dict, or a list
         for a batch or n > 1). Closing the iterator early aborts what is still running."""
-        items, is_batch = self.normalize(**kw)
+        rids = _assign_rids(kw)
+        pending = _Tokenizing(rids)
+        self.tokenizing.append(pending)
+        try:
+            items, is_batch = await self._normalize_async(kw)
+            while self.paused and not pending.aborted:  # held here until continue_generation
+                await self._resumed.wait()
+        finally:
+            self.tokenizing.remove(pending)
         stream = bool(kw.get("stream"))
         reqs = [r for item in items for r in item.expand()]
         for r in reqs:
             if r.rid in self.states:
                 raise ValueError(f"duplicate request id {r.rid!r}: a request with this id is running")
+        if pending.aborted:  # aborted while tokenizing: never admitted
+            results = [_aborted_result(r.rid, len(r.input_ids)) for r in reqs]
+            yield results if (is_batch or len(results) > 1) else results[0]
+            return
         for r in reqs:
-            self.states[r.rid] = ReqState(r.rid, len(r.input_ids), stream)
+            st = ReqState(r.rid, len(r.input_ids), stream, sched_rid=f"{r.rid}#{next(self._submissions)}")
+            self.states[r.rid] = st
+            self._by_sched_rid[st.sched_rid] = st
         for r in reqs:
             self.metrics.on_request(len(r.input_ids))
+            r.rid = self.states[r.rid].sched_rid
             self.to_scheduler.send(r)
-        rids = [r.rid for r in reqs]
+        user_rids = [r.rid.rsplit("#", 1)[0] for r in reqs]
         try:
             if stream:
-                async for chunk in self._stream(rids, return_text_in_logprobs):
+                async for chunk in self._stream(user_rids, return_text_in_logprobs):
                     yield chunk
             else:
-                results = [await self._wait_final(r, return_text_in_logprobs) for r in rids]
+                results = [await self._wait_final(r, return_text_in_logprobs) for r in user_rids]
                 yield results if (is_batch or len(results) > 1) else results[0]
         finally:
-            unfinished = [r for r in rids if r in self.states and not self.states[r].finished]
+            unfinished = [r for r in user_rids if r in self.states and not self.states[r].finished]
             for r in unfinished:
                 self.abort_request(r)
-            for r in rids:
-                self.states.pop(r, None)
+            for r in user_rids:
+                st = self.states.pop(r, None)
+                if st is not None:
+                    self._by_sched_rid.pop(st.sched_rid, None)
+
+    async def _normalize_async(self, kw: dict):
+        # Long texts are tokenized off the event loop so other requests keep flowing.
+        prompt = kw.get("prompt")
+        size = sum(map(len, prompt)) if isinstance(prompt, list) else len(prompt or "")
+        if size < TOKENIZE_INLINE_MAX_CHARS:
+            return self.normalize(**kw)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.normalize(**kw))
 
     async def _wait_final(self, rid: str, with_text: bool) -> dict:
         st = self.states[rid]
