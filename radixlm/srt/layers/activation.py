@@ -1,0 +1,26 @@
+"""Gated SiLU MLP (Llama's gate/up/down) with gate and up fused into one matmul."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.srt.layers.linear import Linear
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2*I] (gate then up) -> silu(gate) * up, [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # Rows [0, I) hold gate_proj, rows [I, 2I) up_proj: one GEMM instead of two.
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat token batch.
+
+Inference only. q/k/v and gate/up are fused into single matrices for fewer, larger
+GEMMs; load_weights maps the Hugging Face names (q_proj, k_proj, ...) onto row ranges
+of the fused matrices.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from radixlm.config import ModelConfig
+from radixlm.srt.layers.activation import GatedMLP
+from radixlm.srt.layers.linear import Embedding, Linear
+from radixlm.srt.layers.norm import RMSNorm
+from radixlm.srt.layers.rotary import RotaryEmbedding, apply_rotary
+from radixlm.srt.model_runner.attention.base import AttentionBackend
+from radixlm.srt.model_runner.forward_batch import ForwardBatch
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        qkv_bias = config.attention_bias
+        # HF Llama's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only.
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Rotate q and k together: they are adjacent head ranges of the fused output.
+        qk = apply_rotary(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        o = attn.forward(q, k, v, self.layer_id, fb, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, fb: ForwardBatch, attn: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm residual block; the residual add is fused into the next norm.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, fb, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling)
+        if config.tie_word_embeddings:
+            self.lm_head = None  # logits reuse embed_tokens.weight
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of every token in the flat batch."""
+        hidden = self.model.embed_tokens(fb.input_ids)
+        max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
+        cos, sin = self.rotary.cos_sin(fb.positions, hidden.dtype, max_len)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, fb, attn)
+        if residual is None:  # zero layers
+            return self.model.norm(hidden)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> float32 [n, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weights ----
+    def _param_target(self, name: str) -> tuple[str, int, int] | None:
+        """HF name -> (our parameter name, row offset, row count); None = ignore the tensor."""
+        cfg = self.config
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # old checkpoints store the (recomputed) rope table
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return None  # tied checkpoints may still carry a copy of the embedding
+        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        fused = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+        }
+        prefix, _, leaf = name.rpartition(".")  # leaf: weight | bias
+        for src, (dst, off, rows) in fused.items():
+            if prefix.endswith("." + src):
+                return f"{prefix[:-len(src)]}{dst}.{leaf}", off, rows
+        return name, 0, -1
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        # Rows still missing per parameter: a fused matrix is complete only when all of
+        # its parts arrived.
+        missing: dict[str, set[tuple[int, int]]] = {n: {(0, p.shape[0])} for n, p in params.items()}
+        for name, tensor in weights:
+            target = self._param_target(name)
+            if target is None:
+                continue
+            pname, off, rows = target
+            param = params.get(pname)
+            if param is None:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture} "
+                                 f"(no parameter {pname!r})")
+            dest = param.data if rows < 0 else param.data.narrow(0, off, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(dest.shape)}")
+            dest.copy_(tensor)  # casts to the model dtype/device
+            span = (0, param.shape[0]) if rows < 0 else (off, off + rows)
+            missing[pname] = _subtract(missing[pname], span)
+        unloaded = sorted(n for n, spans in missing.items() if spans)
+        if unloaded:
+            raise ValueError(f"weights missing from the checkpoint: {', '.join(unloaded[:8])}"
+                             f"{' ...' if len(unloaded) > 8 else ''}")
+
+
+def _subtract(spans: set[tuple[int, int]], cut: tuple[int, int]) -> set[tuple[int, int]]:
+    out: set[tuple[int, int]] = set()
+    for a, b in spans:
+        if cut[1] <= a or cut[0] >= b:
+            out.add((a, b))
+            continue
+        if a < cut[0]:
+            out.add((a, cut[0]))
+        if cut[1] < b:
+            out.add((cut[1], b))
+    return out
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Same graph; ModelConfig.attention_bias (always True for Qwen2) adds q/k/v biases."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same graph as Llama (sliding-window attention is not implemented: full attention)."""

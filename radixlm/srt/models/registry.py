@@ -1,0 +1,33 @@
+"""Architecture name (config.json `architectures[0]`) -> model class; model construction."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from radixlm.config import ModelConfig
+from radixlm.registry import Registry
+from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+
+MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
+MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
+MODEL_ARCHS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
+MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
+
+
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """An unloaded model (parameters allocated with torch.empty, no init) on `device`."""
+    cls = MODEL_ARCHS.get(model_config.architecture)
+    with torch.device(device):
+        model = cls(model_config, dtype)
+    return model.eval()
+
+
+def load_model(path: str, model_config: ModelConfig, dtype: torch.dtype,
+               device: str | torch.device) -> nn.Module:
+    """build_model + load_weights from a GGUF file or Hugging Face directory."""
+    from radixlm.srt.weights.loader import iter_weights
+
+    model = build_model(model_config, dtype, device)
+    with torch.no_grad():
+        model.load_weights(iter_weights(path, model_config))
+    return model

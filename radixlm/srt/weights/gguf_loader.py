@@ -1,0 +1,247 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> Hugging Face state-dict names.
+
+Metadata is read with a small parser of our own rather than `gguf.GGUFReader`, because
+the reader materialises every element of the 100k-entry tokenizer arrays as numpy
+views (~2 s for SmolLM2), while the config needs a dozen scalars. Tensors are still
+dequantized with `gguf.quants.dequantize`.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from radixlm.config import ModelConfig
+
+_GGUF_MAGIC = b"GGUF"
+
+# GGUF value type id -> (struct format, byte size) for the fixed-size scalars.
+_SCALARS: dict[int, tuple[str, int]] = {
+    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4),
+    6: ("<f", 4), 7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
+}
+_NUMPY_OF: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4",
+                             6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+
+# Architectures we can run, GGUF name -> Hugging Face class name.
+GGUF_ARCHS: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class SkippedArray:
+    """A string array we did not decode (tokenizer vocab/merges): only its length."""
+    length: int
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order (fastest-varying dimension first)
+    type_id: int
+
+
+@dataclass
+class GGUFMetadata:
+    fields: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, GGUFTensorInfo] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, type_id: int) -> Any:
+        fmt, size = _SCALARS[type_id]
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return v
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def skip_string(self) -> None:
+        self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+
+    def value(self, type_id: int) -> Any:
+        if type_id == _STRING:
+            return self.string()
+        if type_id == _ARRAY:
+            elem, n = self.scalar(4), self.scalar(10)
+            if elem == _STRING:
+                # Only the tokenizer has big string arrays and we never need them here.
+                if n > 1024:
+                    for _ in range(n):
+                        self.skip_string()
+                    return SkippedArray(n)
+                return [self.string() for _ in range(n)]
+            if elem == _ARRAY:
+                return [self.value(_ARRAY) for _ in range(n)]
+            dt = np.dtype(_NUMPY_OF[elem])
+            arr = np.frombuffer(self.buf, dtype=dt, count=n, offset=self.pos).tolist()
+            self.pos += n * dt.itemsize
+            return arr
+        if type_id not in _SCALARS:
+            raise ValueError(f"unknown GGUF value type {type_id}")
+        return self.scalar(type_id)
+
+
+def read_gguf_metadata(path: str) -> GGUFMetadata:
+    """Parse the key/value header and the tensor directory (not the tensor data)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != _GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        cur = _Cursor(buf)
+        cur.pos = 4
+        version = cur.scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: unsupported GGUF version {version} (big-endian or v1 file?)")
+        n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+        meta = GGUFMetadata()
+        for _ in range(n_kv):
+            key = cur.string()
+            meta.fields[key] = cur.value(cur.scalar(4))
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar(4)
+            shape = tuple(cur.scalar(10) for _ in range(n_dims))
+            type_id = cur.scalar(4)
+            cur.scalar(10)  # data offset; GGUFReader handles the data
+            meta.tensors[name] = GGUFTensorInfo(name, shape, type_id)
+        return meta
+
+
+def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfig:
+    meta = meta or read_gguf_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {sorted(GGUF_ARCHS)})")
+    if "rope_freqs.weight" in meta.tensors:
+        # Llama 3.1 GGUFs bake llama3 rope scaling into per-frequency factors.
+        raise NotImplementedError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; "
+                                  "load the Hugging Face directory instead")
+
+    def need(key: str) -> Any:
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = tokens.length if isinstance(tokens, SkippedArray) else meta.tensors["token_embd.weight"].shape[1]
+    rope_scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise NotImplementedError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = meta.get(key)
+        if v is not None and int(v) not in eos:
+            eos.append(int(v))
+    bos, pad = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.padding_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHS[arch], vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        # Stored as float32 (1e-5 reads back as 9.99999974e-06); keep the intended decimal.
+        rms_norm_eps=float(f"{float(need('attention.layer_norm_rms_epsilon')):.7g}"),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+        max_position_embeddings=int(need("context_length")),
+        tie_word_embeddings="output.weight" not in meta.tensors,
+        attention_bias=any(n.endswith("attn_q.bias") for n in meta.tensors),
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
+        pad_token_id=None if pad is None else int(pad))
+
+
+# ---- tensor names ----
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str:
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _BLOCK_NAMES:
+            raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base not in _GLOBAL_NAMES or kind not in ("weight", "bias"):
+        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion reordering of q_proj/k_proj rows.
+
+    Hugging Face Llama rotates the two halves of each head (rotate_half); llama.cpp
+    rotates adjacent pairs, so its converter interleaves the halves: GGUF row 2i of a
+    head is HF row i, GGUF row 2i+1 is HF row i + head_dim/2. Inverse: view each head
+    as [head_dim/2, 2] rows and transpose to [2, head_dim/2]. Works for biases too.
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor to float32 and yield it under its Hugging Face name/shape."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    arch = reader.get_field("general.architecture").contents()
+    permuted = arch == "llama"  # convert_hf_to_gguf permutes q/k only for the llama family
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        arr = dequantize(t.data, t.tensor_type)
+        # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
+        arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if arr.dtype != np.float32:
+            arr = arr.astype(np.float32)
+        if not arr.flags.writeable:
+            arr = arr.copy()  # F32 tensors come back as views of the read-only memmap
+        tensor = torch.from_numpy(arr)
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = unpermute_rope_rows(tensor, config.num_attention_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
+        yield name, tensor
+
+
+# ---- on-disk cache of converted GGUF artefacts ----
+def cache_root() -> str:
+    return os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+
+
+def gguf_cache_dir(path: str) -> str:
+    """Per-file cache folder, keyed by name + size + mtime so an edited file is never stale."""
+    st = os.stat(path)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(path))
+    return os.path.join(cache_root(), "gguf", f"{stem}-{st.st_size}-{st.st_mtime_ns}")

@@ -1,0 +1,116 @@
+"""Hugging Face model directories: config.json -> ModelConfig, *.safetensors -> tensors."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+
+from radixlm.config import ModelConfig
+
+# Architectures with the Llama layout; Qwen2 differs only by q/k/v biases.
+HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def _eos_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def hf_model_config(model_dir: str) -> ModelConfig:
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{model_dir} has no config.json (expected a Hugging Face model directory)")
+    cfg = _read_json(cfg_path)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                   "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+    if arch not in HF_ARCHS:
+        raise ValueError(f"{model_dir}: architecture {arch or cfg.get('model_type')!r} is not supported "
+                         f"(supported: {', '.join(HF_ARCHS)})")
+    if cfg.get("mlp_bias"):
+        raise NotImplementedError(f"{model_dir}: mlp_bias=True is not supported")
+
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    # transformers >= 5 writes rope settings as `rope_parameters` (theta included);
+    # older configs use top-level `rope_theta` + `rope_scaling`.
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
+        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+
+    eos = list(_eos_tuple(cfg.get("eos_token_id")))
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        # Chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.
+        for e in _eos_tuple(_read_json(gen_path).get("eos_token_id")):
+            if e not in eos:
+                eos.append(e)
+
+    return ModelConfig(
+        architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(eos), pad_token_id=cfg.get("pad_token_id"))
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The checkpoint files of a directory: safetensors preferred, PyTorch .bin as fallback."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        files = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights found")
+    return files
+
+
+def iter_safetensors_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    # safe_open memory-maps the file: each get_tensor is one copy straight into RAM.
+    with safe_open(path, framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in weight_files(model_dir):
+        if path.endswith(".safetensors"):
+            yield from iter_safetensors_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+
+
+def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+    """Write to a temporary name then rename, so a concurrent reader never sees half a file."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
