@@ -1,4 +1,8 @@
-"""Command line: `python -m radixlm generate "prompt"` (also the `radixlm` console script)."""
+"""Command line (also the `radixlm` console script):
+
+    python -m radixlm generate "prompt"     # one completion, offline
+    python -m radixlm serve --port 30000    # the OpenAI-compatible and native HTTP server
+"""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +32,13 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from radixlm.srt.http_server import launch_server
+
+    launch_server(ServerArgs.from_cli_args(ns), served_model_name=ns.served_model_name)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,9 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--json", action="store_true", help="print the whole result with meta_info")
     ServerArgs.add_cli_args(gen)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients use (default: the model path's basename)")
+    ServerArgs.add_cli_args(srv)
     ns = parser.parse_args(argv)
     if ns.command == "generate":
         return _generate(ns)
+    if ns.command == "serve":
+        return _serve(ns)
     return 2
 
 

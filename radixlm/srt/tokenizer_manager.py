@@ -36,6 +36,7 @@ class _Tokenizing:
     def __init__(self, rids: list[str]) -> None:
         self.rids = rids
         self.aborted = False
+        self.wake = asyncio.Event()  # set by an abort or by continue_generation
 
 
 def _assign_rids(kw: dict) -> list[str]:
@@ -107,7 +108,6 @@ class TokenizerManager:
         self.tokenizing: list[_Tokenizing] = []
         self._submissions = itertools.count()
         self.paused = False
-        self._resumed = asyncio.Event()
         self._rpc: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
@@ -205,6 +205,7 @@ class TokenizerManager:
                           if not t.aborted and any(abort_matches(msg, r) for r in t.rids)]
         for t in hit_tokenizing:
             t.aborted = True
+            t.wake.set()
         targets = [st for st in self.states.values()
                    if not st.abort_sent and not st.finished and abort_matches(msg, st.rid)]
         for st in targets:
@@ -221,7 +222,6 @@ class TokenizerManager:
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
         self.paused = True
-        self._resumed.clear()
         if mode == "abort":
             self.abort_request(abort_all=True)
         await self.rpc(PauseReq(mode=mode))
@@ -229,7 +229,8 @@ class TokenizerManager:
     async def continue_generation(self) -> None:
         await self.rpc(ContinueReq())
         self.paused = False
-        self._resumed.set()
+        for t in self.tokenizing:
+            t.wake.set()
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
@@ -244,7 +245,8 @@ class TokenizerManager:
         try:
             items, is_batch = await self._normalize_async(kw)
             while self.paused and not pending.aborted:  # held here until continue_generation
-                await self._resumed.wait()
+                pending.wake.clear()
+                await pending.wake.wait()
         finally:
             self.tokenizing.remove(pending)
         stream = bool(kw.get("stream"))

@@ -1,0 +1,349 @@
+"""The HTTP server: a FastAPI app over one TokenizerManager, served by uvicorn.
+
+    radixlm serve --model-path DIR --port 30000
+
+`launch_server` starts the scheduler and detokenizer processes first, then uvicorn; the
+TokenizerManager is created in the app's lifespan, on uvicorn's own event loop (its ZMQ
+sockets and asyncio objects belong to that loop). On SIGINT/SIGTERM uvicorn drains: every
+request is aborted first so streams end at once, then the processes are stopped and the
+IPC directory removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from radixlm.config import ServerArgs
+from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
+                                    abort_error, error_body, error_response, next_or_disconnect, parse_body,
+                                    sse_event, validation_message)
+from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                                         PauseRequest)
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+# Uvicorn waits this long for in-flight requests after the abort-all on shutdown.
+GRACEFUL_SHUTDOWN_S = 5
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def default_served_model_name(model_path: str) -> str:
+    name = os.path.basename(model_path.rstrip("/")) or model_path
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+@dataclass
+class ServerContext:
+    """What the handlers share; `tm` and `openai` exist once the lifespan has started."""
+    args: ServerArgs
+    procs: Any  # RuntimeProcesses
+    served_model_name: str | None = None
+    tm: Any = None
+    openai: Any = None
+    shutting_down: bool = False
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+# ---------------------------------------------------------------------------- app
+def create_app(args: ServerArgs, procs, served_model_name: str | None = None) -> FastAPI:
+    ctx = ServerContext(args, procs, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from radixlm.srt.openai_serving import OpenAIServing
+        from radixlm.srt.tokenizer_manager import TokenizerManager
+
+        ctx.tm = TokenizerManager(args, procs.ports, procs.scheduler_info)
+        ctx.tm.start()
+        ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
+        ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        try:
+            yield
+        finally:
+            ctx.shutting_down = True
+            ctx.tm.abort_request(abort_all=True)
+            await ctx.tm.close()
+
+    app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    _add_error_handlers(app)
+    _add_openai_routes(app)
+    _add_native_routes(app)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        # FastAPI says 422; OpenAI clients (and our contract) expect 400 for any bad body.
+        message, param = validation_message(list(exc.errors()))
+        return error_response(message, 400, param)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, exc: HTTPError):
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError):
+        return error_response(str(exc), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+# ---------------------------------------------------------------------------- OpenAI
+def _add_openai_routes(app: FastAPI) -> None:
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        return ORJSONResponse(_ctx(request).openai.models().model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request):
+        serving = _ctx(request).openai
+        serving.check_model(model)
+        return ORJSONResponse(serving.models().data[0].model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        return await _ctx(request).openai.create_completion(body, request.receive)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        return await _ctx(request).openai.create_chat_completion(body, request.receive)
+
+
+# ---------------------------------------------------------------------------- native
+def _add_native_routes(app: FastAPI) -> None:
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        body = await parse_body(request, GenerateRequest)
+        tm = _ctx(request).tm
+        kw = body.model_dump()
+        kw["prompt"] = kw.pop("text")
+        agen = tm.generate_request(**kw)
+        if not body.stream:
+            try:
+                out = await next_or_disconnect(agen, request.receive)
+            finally:
+                await agen.aclose()
+            for r in out if isinstance(out, list) else [out]:
+                err = abort_error(r["meta_info"])
+                if err is not None:
+                    return error_response(err[1], err[0])
+            return ORJSONResponse(out)
+        first = await next_or_disconnect(agen, request.receive)  # input errors → plain 400
+        err = abort_error(first["meta_info"])
+        if err is not None and err[0] == 400:
+            await agen.aclose()
+            return error_response(err[1], 400)
+        return SSEResponse(_cumulative_events(first, agen))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await parse_body(request, AbortRequest)
+        n = _ctx(request).tm.abort_request(body.rid, body.abort_all, body.prefix)
+        return ORJSONResponse({"success": True, "num_aborted": n or 0})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request, timeout: float = 1.0):
+        # A short grace: requests that were just aborted may need a scheduler step to drain.
+        if await _ctx(request).tm.flush_cache(timeout=max(0.0, timeout)):
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: requests are still running.\n", status_code=400)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = await parse_body(request, PauseRequest)
+        await _ctx(request).tm.pause_generation(body.mode)
+        return ORJSONResponse({"success": True})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        await _ctx(request).tm.continue_generation()
+        return ORJSONResponse({"success": True})
+
+    @app.get("/health")
+    async def health(request: Request):
+        ctx = _ctx(request)
+        if ctx.shutting_down or not ctx.procs.alive():
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        ctx = _ctx(request)
+        if ctx.shutting_down or not ctx.procs.alive():
+            return Response(status_code=503)
+        return Response(status_code=200 if await _health_generate(ctx.tm) else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request):
+        ctx = _ctx(request)
+        tm = ctx.tm
+        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": ctx.args.tokenizer_path or tm.model_path,
+                               "is_generation": True, "context_length": tm.context_len,
+                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name})
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request):
+        ctx = _ctx(request)
+        info = await ctx.tm.get_server_info()
+        info["server_args"] = dataclasses.asdict(ctx.args)
+        info["served_model_name"] = ctx.served_model_name
+        info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
+                           "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
+        return ORJSONResponse(info)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        tm = _ctx(request).tm
+        return Response(tm.metrics.render(await tm.get_server_info()), media_type=METRICS_CONTENT_TYPE)
+
+
+async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
+    """/generate streaming as SGLang does it: each chunk carries the CUMULATIVE text,
+    output_ids and output logprobs so far (per `index` when n > 1)."""
+    acc: dict[int, dict] = {}
+    try:
+        chunk = first
+        while chunk is not None:
+            err = abort_error(chunk["meta_info"])
+            if err is not None:
+                yield sse_event(error_body(err[1], err[0]))
+                break
+            i = chunk.get("index", 0)
+            a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
+            a["text"] += chunk["text"]
+            a["output_ids"].extend(chunk["output_ids"])
+            meta = dict(chunk["meta_info"])
+            if "output_token_logprobs" in meta:
+                a["lps"].extend(meta["output_token_logprobs"] or [])
+                a["tops"].extend(meta["output_top_logprobs"] or [])
+                meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
+            out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+            if "index" in chunk:
+                out["index"] = i
+            yield sse_event(out)
+            try:
+                chunk = await agen.__anext__()
+            except StopAsyncIteration:
+                chunk = None
+    except Exception as e:  # headers already sent: report in-band
+        logger.exception("/generate stream failed")
+        yield sse_event(error_body(f"{type(e).__name__}: {e}", 400 if isinstance(e, ValueError) else 500))
+    finally:
+        await agen.aclose()
+    yield SSE_DONE
+
+
+async def _health_generate(tm) -> bool:
+    """Healthy if the runtime produces output: when requests are running, any output within
+    the timeout proves it; when idle, a 1-token generation must complete."""
+    start = time.time()
+    if tm.states:
+        while time.time() - start < HEALTH_CHECK_TIMEOUT_S:
+            if tm.last_receive_time > start:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+    agen = tm.generate_request(input_ids=[0], sampling_params={"max_new_tokens": 1, "ignore_eos": True},
+                               rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}")
+    try:
+        out = await asyncio.wait_for(agen.__anext__(), HEALTH_CHECK_TIMEOUT_S)
+        return abort_error(out["meta_info"]) is None
+    except Exception:
+        logger.exception("health generation failed")
+        return False
+    finally:
+        await agen.aclose()
+
+
+# ---------------------------------------------------------------------------- launch
+def _make_uvicorn_server(app: FastAPI, args: ServerArgs):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Prints the ready line; aborts every request when shutdown starts (uvicorn would
+        otherwise wait for streams to end by themselves); does not re-raise the signal after
+        exiting (with SIGTERM's default action that would kill us before cleanup)."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                port = self.servers[0].sockets[0].getsockname()[1] if self.servers else args.port
+                ctx: ServerContext = app.state.ctx
+                print(f"radixlm: ready: serving {ctx.served_model_name!r} at http://{args.host}:{port} "
+                      f"(pid {os.getpid()})", flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            ctx: ServerContext = app.state.ctx
+            ctx.shutting_down = True
+            if ctx.tm is not None:
+                ctx.tm.abort_request(abort_all=True)
+            self._captured_signals.clear()
+            await super().shutdown(sockets)
+
+    verbose = args.log_level in ("debug", "info")
+    config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
+                            access_log=verbose, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_keep_alive=30)
+    return Server(config)
+
+
+def _raise_system_exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def launch_server(args: ServerArgs, served_model_name: str | None = None) -> None:
+    """Start the runtime processes and serve HTTP until SIGINT/SIGTERM; always stops the
+    processes and removes the IPC directory before returning."""
+    from radixlm.srt.launch import launch_subprocesses
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s [http] %(levelname)s %(name)s: %(message)s")
+    # Until uvicorn installs its handlers (and after it restores them), SIGTERM must unwind
+    # through the `finally` below instead of killing the process with the children's IPC
+    # directory left behind.
+    previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+    procs = None
+    try:
+        procs = launch_subprocesses(args)
+        app = create_app(args, procs, served_model_name)
+        server = _make_uvicorn_server(app, args)
+        server.run()
+        if not server.started:
+            raise SystemExit("the HTTP server failed to start (is the port in use?)")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if procs is not None:
+            procs.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        sys.stdout.flush()

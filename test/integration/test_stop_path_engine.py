@@ -1,0 +1,159 @@
+"""The stop path through the Engine (real processes, tiny model): aborts from every entry
+the Engine offers, held requests, timeouts, flush after abort_all, rid reuse, and a storm."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from radixlm import Engine
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=700, max_running_requests=24,
+                 chunked_prefill_size=32, schedule_conservativeness=0.05, debug_check_integrity=True)
+    yield eng
+    eng.shutdown()
+
+
+def _conserved(eng: Engine) -> None:
+    assert eng.flush_cache(timeout=10)  # idle, then empty
+    eng.check_integrity()
+    info = eng.get_server_info()
+    mem = info["memory"]
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+    assert mem["free"] == mem["capacity"] and mem["protected"] == 0
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49000) for _ in range(n)]
+
+
+def test_abort_running_stream_returns_partial_output(engine):
+    prompt = _prompt(1, 20)
+    chunks = []
+    stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **GREEDY},
+                             stream=True, rid="victim")
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            engine.abort_request("victim")
+    final = chunks[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort"
+    assert 3 <= final["completion_tokens"] < 500
+    assert [t for c in chunks for t in c["output_ids"]] == \
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
+                                                          **GREEDY})["output_ids"]
+    # the rid is free again at once, and a second abort of it is a no-op
+    engine.abort_request("victim")
+    again = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, **GREEDY}, rid="victim")
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    _conserved(engine)
+
+
+def test_requests_held_while_paused_are_never_admitted_when_aborted(engine):
+    engine.pause_generation("in_place")
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault(
+        "r", engine.generate(input_ids=_prompt(2, 10), sampling_params={"max_new_tokens": 5}, rid="held")))
+    t.start()
+    time.sleep(0.3)
+    assert engine.get_server_info()["num_waiting_reqs"] == 0  # held in the tokenizer manager
+    engine.abort_request("held")
+    t.join(10)
+    engine.continue_generation()
+    assert out["r"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["r"]["output_ids"] == []
+    _conserved(engine)
+
+
+def test_timeout_is_503_with_partial_output(engine):
+    out = engine.generate(input_ids=_prompt(3, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+                          timeout=0.3)
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and fr["status_code"] == 503
+    assert out["output_ids"]
+    _conserved(engine)
+
+
+def test_flush_right_after_abort_all_succeeds(engine):
+    async def go():
+        tasks = [asyncio.ensure_future(engine.async_generate(
+            input_ids=_prompt(10 + i, 30), sampling_params={"max_new_tokens": 300, **GREEDY}))
+            for i in range(8)]
+        await asyncio.sleep(0.3)
+        engine.abort_request(abort_all=True)
+        return await asyncio.gather(*tasks)
+    outs = asyncio.run(go())
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+    assert engine.flush_cache(timeout=10)
+    _conserved(engine)
+
+
+def test_storm(engine, tiny_llama_dir):
+    """220+ requests on a small pool with random aborts, families and abort_all bursts; the
+    reference is a run with no aborts and an ample pool."""
+    rng = random.Random(11)
+    specs = []
+    for i in range(160):
+        specs.append((f"q{i}", _prompt(100 + i % 40, rng.randrange(5, 40)), rng.randrange(20, 90),
+                      3 if i % 9 == 0 else 1))
+    reference = {}
+    prompts = [p for _, p, _, _ in specs]
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=20000) as ample:
+        ref_outs = ample.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": n, "temperature": 0}
+                                                                      for _, _, n, _ in specs])
+    for (rid, _, _, _), o in zip(specs, ref_outs):
+        reference[rid] = o["output_ids"]
+
+    async def one(rid, prompt, n, fam):
+        # EOS is not ignored: running requests then reserve only new_token_ratio of their
+        # remaining budget, so the small pool overcommits and retractions happen.
+        params = {"max_new_tokens": n, "temperature": 0, "n": fam}
+        if fam == 1 and rng.random() < 0.5:
+            got = []
+            agen = await engine.async_generate(input_ids=prompt, sampling_params=params, rid=rid, stream=True)
+            async for chunk in agen:
+                got.append(chunk)
+            ids = [t for c in got for t in c["output_ids"]]
+            return [(rid, ids, got[-1]["meta_info"])]
+        res = await engine.async_generate(input_ids=prompt, sampling_params=params, rid=rid)
+        res = res if isinstance(res, list) else [res]
+        return [(r["meta_info"]["id"], r["output_ids"], r["meta_info"]) for r in res]
+
+    async def chaos():
+        for k in range(60):
+            await asyncio.sleep(rng.random() * 0.1)
+            if k in (25, 50):  # two bursts that hit whatever is live at that moment
+                engine.abort_request(abort_all=True)
+            else:
+                engine.abort_request(rng.choice(specs)[0])
+
+    async def go():
+        tasks = [asyncio.ensure_future(one(*s)) for s in specs]
+        await chaos()
+        return [x for r in await asyncio.gather(*tasks) for x in r]
+
+    results = asyncio.run(go())
+    assert len(results) == sum(f for *_, f in specs)
+    aborted = 0
+    for rid, ids, meta in results:
+        ref = reference[rid if rid in reference else rid.rsplit("_", 1)[0]]
+        assert meta["completion_tokens"] == len(ids)
+        if meta["finish_reason"]["type"] == "abort":
+            aborted += 1
+            assert ids == ref[:len(ids)], rid  # a prefix of the undisturbed output
+        else:
+            assert ids == ref, rid  # survivors: exactly the undisturbed output
+    assert aborted > 0
+    info = engine.get_server_info()
+    assert info["cancel_latency_s"]["count"] > 0
+    assert info["num_retractions"] > 0, "the pool was meant to be small enough to force retractions"
+    _conserved(engine)
