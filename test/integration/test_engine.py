@@ -160,3 +160,29 @@ def test_disable_radix_cache(tiny_llama_dir):
         assert a["output_ids"] == b["output_ids"]
         assert b["meta_info"]["cached_tokens"] == 0
         assert eng.get_server_info()["memory"]["free"] == 2048
+
+
+def test_page_size_4_gives_the_same_greedy_output(tiny_llama_dir, engine):
+    prompt = [(i * 29) % 7000 + 11 for i in range(45)]
+    want = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 7, "temperature": 0,
+                                                             "ignore_eos": True})["output_ids"]
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024, page_size=4,
+                chunked_prefill_size=16, debug_check_integrity=True) as paged:
+        a = paged.generate(input_ids=prompt, sampling_params={"max_new_tokens": 7, "temperature": 0,
+                                                             "ignore_eos": True})
+        b = paged.generate(input_ids=prompt + [5], sampling_params={"max_new_tokens": 2})
+        assert a["output_ids"] == want
+        assert b["meta_info"]["cached_tokens"] == 44  # page-aligned share of the 45-token prompt
+        paged.check_integrity()
+
+
+def test_cli_generate(tiny_llama_dir):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "radixlm", "generate", "Hello", "--model-path", tiny_llama_dir,
+                          "--dtype", "float32", "--max-new-tokens", "4", "--max-total-tokens", "512", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+    result = json.loads(out.stdout)
+    assert result["meta_info"]["completion_tokens"] <= 4 and result["meta_info"]["prompt_tokens"] > 1
