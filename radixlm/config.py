@@ -79,6 +79,8 @@ class ServerArgs:
                                                  default=None)
     request_running_timeout: float | None = _opt("abort with 503 a request running longer than this (s)",
                                                  default=None)
+    disable_overlap_schedule: bool = _opt("run each forward to completion before scheduling the next",
+                                          default=False)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",

@@ -84,6 +84,10 @@ class Req:
     prefix_len: int = 0  # tokens matched in the tree at admission
     extend_input_len: int = 0  # tokens computed by the current prefill chunk
     is_chunked: int = 0  # >0 while in chunked prefill
+    # Overlap scheduling: launched batches holding this request whose results are not yet
+    # processed, and tokens sampled by them but not yet appended to output_ids.
+    inflight: int = 0
+    pending_tokens: int = 0
 
     # ---- reporting ----
     cached_tokens: int = 0

@@ -28,9 +28,11 @@ class WorkerBatch:
     # logprobs are wanted as input logprobs, and the token ids those positions predict.
     input_logprob_ranges: list[tuple[int, int]] = field(default_factory=list)
     input_logprob_targets: list[list[int]] = field(default_factory=list)
-    # Per request: top-k size for logprobs (0 = none) and whether logprobs are wanted.
-    return_logprob: list[bool] = field(default_factory=list)
-    top_logprobs_num: list[int] = field(default_factory=list)
+    # Overlap scheduling: id() of the batch whose output the negative input ids name, and
+    # copies of the requests' output ids for sampling (the scheduler appends to the live
+    # lists while this batch runs).
+    placeholder_source: int | None = None
+    output_snapshots: list[list[int]] | None = None
 
     @property
     def is_decode(self) -> bool:

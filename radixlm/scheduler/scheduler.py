@@ -21,6 +21,7 @@ from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.output import StopStringChecker, append_token, make_output
+from radixlm.scheduler.overlap import ForwardTimer, ForwardWorker, InFlight, placeholder
 from radixlm.scheduler.policy import make_policy
 from radixlm.scheduler.prefill import AddStatus, PrefillAdder
 from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker, retraction_order
@@ -46,6 +47,12 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.overlap = not args.disable_overlap_schedule
+        self.worker = ForwardWorker(runner) if self.overlap else None
+        self.timer = self.worker.timer if self.worker else ForwardTimer()
+        self.in_flight: InFlight | None = None
+        # finished requests whose KV a launched batch may still write: released after it
+        self.pending_release: dict[int, Req] = {}
         self._pending_out: list[ReqOutput] = []
         self.paused = False
         self.stats = {"num_retractions": 0, "num_prefill_tokens": 0, "num_decode_tokens": 0,
@@ -112,9 +119,9 @@ class Scheduler:
         return None
 
     def in_flight_reqs(self) -> set[int]:
-        """ids of requests inside a launched batch whose result is not processed yet (the
-        overlap loop overrides this; the normal loop has none between iterations)."""
-        return set()
+        """ids of requests inside a launched batch whose result is not processed yet (only the
+        overlap loop has one between iterations)."""
+        return {id(r) for r in self.in_flight.batch.reqs} if self.in_flight is not None else set()
 
     def abort(self, msg: AbortReq) -> int:
         """Apply an abort at the top of an iteration; returns how many requests it hit."""
@@ -142,6 +149,15 @@ class Scheduler:
                 self._finish(req, reason, insert=True)
                 self.stats["aborts_chunked"] += 1
             count += 1
+        # in a launched prefill batch (not yet back in running or chunked): consumed at processing
+        if self.in_flight is not None and not self.in_flight.batch.is_decode:
+            for req in self.in_flight.batch.reqs:
+                if req.to_finish is None and not req.finished and abort_matches(msg, req.rid) \
+                        and req is not self.chunked_req:
+                    req.abort_sent_time = msg.sent_time or None
+                    req.to_finish = reason
+                    self.stats["aborts_in_flight"] += 1
+                    count += 1
         # method 3: running; inside a launched batch the next result processing consumes it
         for req in [r for r in self.running if abort_matches(msg, r.rid) and r.to_finish is None]:
             req.abort_sent_time = msg.sent_time or None
@@ -200,6 +216,7 @@ class Scheduler:
         waiting and their KV to the tree; in_place: keep requests and KV as they are."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"unknown pause mode {mode!r}")
+        self.sync()
         self.paused = True
         if mode == "abort":
             self.abort(AbortReq(abort_all=True))
@@ -226,32 +243,84 @@ class Scheduler:
 
     # ================================================================ the loop
     def is_idle(self) -> bool:
-        return not self.waiting and not self.running and self.chunked_req is None
+        return (not self.waiting and not self.running and self.chunked_req is None
+                and self.in_flight is None and not self.pending_release)
 
     def live_reqs(self) -> list[Req]:
-        reqs = list(self.running)
+        """Every request that holds KV right now."""
+        seen: dict[int, Req] = {id(r): r for r in self.running}
         if self.chunked_req is not None:
-            reqs.append(self.chunked_req)
-        return reqs
+            seen[id(self.chunked_req)] = self.chunked_req
+        if self.in_flight is not None:
+            seen.update((id(r), r) for r in self.in_flight.batch.reqs if r.req_pool_idx is not None)
+        seen.update(self.pending_release)
+        return list(seen.values())
 
     def step(self) -> bool:
         """One iteration. Returns False when there was nothing to do."""
         self.check_timeouts()
+        if self.overlap:
+            return self._step_overlap()
         batch = None if self.paused else self.get_next_batch()
         if batch is None:
             self.ratio.on_idle()
             self._flush_outputs()
             return False
-        result = self.runner.forward(batch)
-        if batch.is_decode:
-            self.process_decode_result(batch, result)
-        else:
-            self.process_prefill_result(batch, result)
+        self._mark_launched(batch)
+        self._process(batch, self.timer.run(self.runner, batch))
+        self._end_step()
+        return True
+
+    def _step_overlap(self) -> bool:
+        """Launch batch N+1, then process batch N while N+1 computes."""
+        if self.in_flight is not None and not self.in_flight.batch.is_decode:
+            self.sync()  # a prefill's requests join decode only once its result is known
+        batch = None if self.paused else self.get_next_batch()
+        prev, self.in_flight = self.in_flight, None
+        if batch is not None:
+            self._mark_launched(batch)
+            self.in_flight = self.worker.submit(batch)
+        if prev is not None:
+            self._process(prev.batch, prev.result())
+        if batch is None and prev is None:
+            self.ratio.on_idle()
+            self._flush_outputs()
+            return False
+        self._end_step()
+        return True
+
+    def sync(self) -> None:
+        """Process the launched batch now (pause, flush, retraction and weight updates need
+        nothing in flight)."""
+        if self.in_flight is not None:
+            prev, self.in_flight = self.in_flight, None
+            self._process(prev.batch, prev.result())
+            self._flush_outputs()
+
+    def _end_step(self) -> None:
         self.stats["num_steps"] += 1
         if self.args.debug_check_integrity:
             self.check_integrity()
         self._flush_outputs()
-        return True
+
+    def _mark_launched(self, batch: WorkerBatch) -> None:
+        for req, samples in zip(batch.reqs, batch.sample):
+            req.inflight += 1
+            if samples:
+                req.pending_tokens += 1
+
+    def _process(self, batch: WorkerBatch, result: BatchResult) -> None:
+        for req, samples in zip(batch.reqs, batch.sample):
+            req.inflight -= 1
+            if samples:
+                req.pending_tokens -= 1
+        if batch.is_decode:
+            self.process_decode_result(batch, result)
+        else:
+            self.process_prefill_result(batch, result)
+        for req in batch.reqs:
+            if req.inflight == 0 and self.pending_release.pop(id(req), None) is not None:
+                self.cache.release(req, insert=True)
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -322,21 +391,41 @@ class Scheduler:
         return (lo, hi), req.origin_input_ids[prefix + lo + 1: prefix + hi + 1]
 
     def get_decode_batch(self) -> WorkerBatch | None:
-        self._ensure_decode_memory()
-        if not self.running:
+        candidates = self._decode_candidates()
+        if not candidates:
             return None
-        locs = []
-        for req in self.running:
+        if not self._decode_fits(len(candidates), 1):
+            self.sync()  # retraction must not touch requests a launched batch still writes
+            self._ensure_decode_memory()
+        reqs = self._decode_candidates()
+        if not reqs:
+            return None
+        src = self.in_flight.batch if self.in_flight is not None else None
+        src_rows = {id(r): i for i, r in enumerate(src.reqs)} if src is not None else {}
+        locs, input_ids, prefix_lens = [], [], []
+        for req in reqs:
+            position = len(req.fill_ids) + req.pending_tokens - 1
             loc = self.cache.extend(req, 1)
             assert loc is not None, "decode memory was checked"
+            assert req.kv_allocated_len == position + 1, "decode slot out of step with the sequence"
             locs.append(loc)
-        reqs = list(self.running)
+            prefix_lens.append(position)
+            # the newest token is still being sampled by the launched batch: name its row
+            input_ids.append(placeholder(src_rows[id(req)]) if req.pending_tokens else req.output_ids[-1])
         self.ratio.on_decode_step()
         self.stats["num_decode_tokens"] += len(reqs)
-        return WorkerBatch(mode="decode", reqs=reqs, input_ids=[r.output_ids[-1] for r in reqs],
-                           out_cache_loc=torch.cat(locs), prefix_lens=[r.kv_committed_len for r in reqs],
-                           extend_lens=[1] * len(reqs), sample=[True] * len(reqs),
-                           input_logprob_ranges=[(0, 0)] * len(reqs), input_logprob_targets=[[]] * len(reqs))
+        n = len(reqs)
+        return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=torch.cat(locs),
+                           prefix_lens=prefix_lens, extend_lens=[1] * n, sample=[True] * n,
+                           input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
+                           placeholder_source=id(src) if any(r.pending_tokens for r in reqs) else None,
+                           output_snapshots=[list(r.output_ids) for r in reqs] if self.overlap else None)
+
+    def _decode_candidates(self) -> list[Req]:
+        """Running requests that need another token: not being aborted, and not certain to
+        reach max_new_tokens with the token already in flight."""
+        return [r for r in self.running if r.to_finish is None
+                and len(r.output_ids) + r.pending_tokens < r.sampling_params.max_new_tokens]
 
     # ================================================================ retraction
     def _decode_fits(self, num_reqs: int, steps: int) -> bool:
@@ -404,6 +493,8 @@ class Scheduler:
     def process_decode_result(self, batch: WorkerBatch, result: BatchResult) -> None:
         finished = []
         for i, req in enumerate(batch.reqs):
+            if req.finished:
+                continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
             self._accept_token(req, result, i)
             if req.finished:
@@ -443,7 +534,10 @@ class Scheduler:
         req.to_finish = None
         req.status = ReqStatus.FINISHED
         req.finished_time = time.perf_counter()
-        self.cache.release(req, insert=insert)
+        if req.inflight > 0:
+            self.pending_release[id(req)] = req  # a launched batch may still write its KV
+        else:
+            self.cache.release(req, insert=insert)
         if req.abort_sent_time is not None and reason.type == "abort":
             self.cancel_latencies.append(max(0.0, time.time() - req.abort_sent_time))
         self.stats["num_finished"] += 1
@@ -466,7 +560,8 @@ class Scheduler:
         lat = sorted(self.cancel_latencies)
         cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
                   "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
-        return {"cancel_latency_s": cancel, "paused": self.paused,
+        return {"cancel_latency_s": cancel, "paused": self.paused, "overlap": self.overlap,
+                "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,

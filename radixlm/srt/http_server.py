@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -57,6 +58,7 @@ class ServerContext:
     tm: Any = None
     openai: Any = None
     shutting_down: bool = False
+    dead_child: str | None = None  # a runtime process that exited while we were serving
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -76,6 +78,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        _watch_children(ctx, asyncio.get_running_loop())
         try:
             yield
         finally:
@@ -90,6 +93,28 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_openai_routes(app)
     _add_native_routes(app)
     return app
+
+
+def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None:
+    """If the scheduler or detokenizer dies, nothing would ever answer again: shut the
+    server down (non-zero exit) instead of hanging every request. One daemon thread per
+    child blocks in waitpid, so there is no polling and nothing delays the exit."""
+    def on_exit(name: str, code: int | None) -> None:
+        if ctx.shutting_down:
+            return
+        logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
+        ctx.dead_child = name
+        signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
+
+    def wait(name: str, proc) -> None:
+        code = proc.wait()
+        try:
+            loop.call_soon_threadsafe(on_exit, name, code)
+        except RuntimeError:  # the loop is already closed: we are exiting anyway
+            pass
+
+    for name, proc in ctx.procs.procs.items():
+        threading.Thread(target=wait, args=(name, proc), name=f"radixlm-watch-{name}", daemon=True).start()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -307,7 +332,7 @@ def _make_uvicorn_server(app: FastAPI, args: ServerArgs):
             ctx.shutting_down = True
             if ctx.tm is not None:
                 ctx.tm.abort_request(abort_all=True)
-            self._captured_signals.clear()
+            getattr(self, "_captured_signals", []).clear()
             await super().shutdown(sockets)
 
     verbose = args.log_level in ("debug", "info")
@@ -340,6 +365,8 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
         server.run()
         if not server.started:
             raise SystemExit("the HTTP server failed to start (is the port in use?)")
+        if app.state.ctx.dead_child:
+            raise SystemExit(f"stopped: the {app.state.ctx.dead_child} process died")
     except KeyboardInterrupt:
         pass
     finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -224,11 +224,3 @@ async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int
             await _cancel_and_wait(t)
         for g in gens:
             await g.aclose()
-
-
-def call_soon_safe(fn: Callable[[], Any]) -> None:
-    """Run fn, logging instead of raising (used from shutdown paths)."""
-    try:
-        fn()
-    except Exception:
-        logger.exception("shutdown step failed")

@@ -173,8 +173,10 @@ class ModelRunner:
                 r = batch.reqs[i]
                 stop_ids = frozenset(r.sampling_params.stop_token_ids) | (
                     frozenset() if r.sampling_params.ignore_eos else r.eos_token_ids)
+                # overlap: the live output list may grow while this batch runs; use the snapshot
+                outs = batch.output_snapshots[i] if batch.output_snapshots is not None else r.output_ids
                 srows.append(SamplingRow(params=r.sampling_params, prompt_ids=r.origin_input_ids,
-                                         output_ids=r.output_ids, stop_ids=stop_ids,
+                                         output_ids=outs, stop_ids=stop_ids,
                                          return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num))
             out = self.sampler.sample(logits[:len(sample_idx)], srows)
             for j, i in enumerate(sample_idx):

@@ -39,7 +39,9 @@ class FakeRunner:
         next_ids: list[int | None] = [None] * n
         for i, req in enumerate(batch.reqs):
             prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
-            fill = req.fill_ids
+            # a launched batch must not read live request state the scheduler is mutating
+            out = batch.output_snapshots[i] if batch.output_snapshots is not None else req.output_ids
+            fill = req.origin_input_ids + out
             row = self.req_to_token[req.req_pool_idx]
             # the prefix must already hold this request's own tokens
             held = self.kv[row[:prefix]].tolist()

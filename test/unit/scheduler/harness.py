@@ -16,6 +16,8 @@ from radixlm.scheduler.scheduler import Scheduler
 from .fake_runner import FakeRunner
 
 _ids = itertools.count()
+# Set per test by conftest.py: run the overlap loop or the normal one.
+DEFAULT_OVERLAP = True
 
 
 @dataclass
@@ -52,6 +54,23 @@ class Harness:
         assert self.outputs[rid][-1] is finals[0], f"{rid}: output after the terminal one"
         return finals[0]
 
+    def where(self, rid: str) -> str | None:
+        """waiting | chunked | running, counting a request inside the launched batch (overlap)
+        as where that batch will put it."""
+        s = self.scheduler
+        if any(r.rid == rid for r in s.waiting):
+            return "waiting"
+        if s.chunked_req is not None and s.chunked_req.rid == rid:
+            return "chunked"
+        if s.in_flight is not None:
+            b = s.in_flight.batch
+            for r, samples in zip(b.reqs, b.sample):
+                if r.rid == rid and not r.finished:
+                    return "running" if samples else "chunked"
+        if any(r.rid == rid for r in s.running):
+            return "running"
+        return None
+
     def assert_idle_and_conserved(self) -> None:
         assert self.scheduler.is_idle()
         self.scheduler.check_integrity()
@@ -63,6 +82,7 @@ class Harness:
 def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None = None,
                  disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
                  context: int = 512, eos: tuple[int, ...] = (), **args) -> Harness:
+    args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
                              debug_check_integrity=True, **args)
     pool = ReqToTokenPool(max_running + 2, context)

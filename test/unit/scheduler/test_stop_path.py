@@ -21,10 +21,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _drive_to(h, rid, state: str, max_steps: int = 200) -> None:
     sched = h.scheduler
     for _ in range(max_steps):
-        reqs = {"waiting": sched.waiting, "running": sched.running,
-                "chunked": [sched.chunked_req] if sched.chunked_req else []}[state]
-        if any(r.rid == rid for r in reqs):
-            if state != "running" or next(r for r in reqs if r.rid == rid).output_ids:
+        if h.where(rid) == state:
+            req = next(r for r in sched.live_reqs() + sched.waiting if r.rid == rid)
+            if state != "running" or req.output_ids:
                 return
         sched.step()
         sched.check_integrity()
@@ -72,8 +71,10 @@ def test_abort_matrix(state):
     h.assert_idle_and_conserved()
 
 
-def test_abort_in_launched_batch_drops_the_step_token():
-    """Simulate an abort landing while a decode batch is in flight (the overlap loop's case)."""
+def test_abort_in_launched_batch_drops_the_step_token(schedule_mode):
+    """Simulate an abort landing while a decode batch is in flight (by hand, normal loop)."""
+    if schedule_mode == "overlap":
+        pytest.skip("the overlap loop has its own version below")
     h = make_harness()
     rid = h.submit(_prompt(10, 2), max_new_tokens=30, stream=True)
     _drive_to(h, rid, "running")
@@ -93,13 +94,50 @@ def test_abort_in_launched_batch_drops_the_step_token():
     h.assert_idle_and_conserved()
 
 
+def test_overlap_abort_of_an_in_flight_request(schedule_mode):
+    if schedule_mode == "normal":
+        pytest.skip("only the overlap loop has a batch in flight between iterations")
+    h = make_harness()
+    rid = h.submit(_prompt(10, 2), max_new_tokens=30, stream=True)
+    sched = h.scheduler
+    while not (sched.in_flight is not None and sched.in_flight.batch.is_decode
+               and any(r.rid == rid for r in sched.in_flight.batch.reqs)):
+        sched.step()
+    req = next(r for r in sched.in_flight.batch.reqs if r.rid == rid)
+    delivered = len(h.tokens(rid))
+    sched.abort(AbortReq(rid=rid))
+    assert req.to_finish is not None and req.req_pool_idx is not None  # KV kept while in flight
+    h.run()
+    assert h.final(rid).finish_reason["type"] == "abort"
+    assert len(h.tokens(rid)) == delivered  # the in-flight step's token is not delivered
+    h.assert_idle_and_conserved()
+
+
+def test_overlap_finish_in_flight_defers_release():
+    """A request that hits EOS in batch N is already in batch N+1: its KV is released only
+    after N+1 resolves, and N+1's token for it is never delivered."""
+    p = _prompt(10, 40)
+    ref = reference_output(p, 30)
+    h = make_harness(eos=(ref[4],), disable_overlap_schedule=False)
+    rid = h.submit(p, max_new_tokens=30)
+    released_early = []
+    sched = h.scheduler
+    while sched.step():
+        req = sched.pending_release.get(next(iter(sched.pending_release), None))
+        if req is not None:
+            released_early.append(req.req_pool_idx is not None)
+    assert released_early and all(released_early)
+    assert h.tokens(rid) == ref[:5]
+    h.assert_idle_and_conserved()
+
+
 def test_chunked_prefill_abort_keeps_computed_chunks_in_tree():
     h = make_harness(chunk=16)
     prompt = _prompt(64, 3)
     rid = h.submit(prompt, max_new_tokens=5)
     h.scheduler.step()
-    h.scheduler.step()  # two chunks computed
-    assert h.scheduler.chunked_req is not None
+    h.scheduler.step()  # two chunks launched (the second may still be in flight)
+    assert h.where(rid) == "chunked"
     h.scheduler.abort(AbortReq(rid=rid))
     h.run()
     assert h.final(rid).finish_reason["type"] == "abort"

@@ -1,0 +1,11 @@
+"""Every scheduler test runs with the overlap loop on and off (semantics §7: same outputs)."""
+import pytest
+
+from . import harness
+
+
+@pytest.fixture(autouse=True, params=["overlap", "normal"])
+def schedule_mode(request):
+    harness.DEFAULT_OVERLAP = request.param == "overlap"
+    yield request.param
+    harness.DEFAULT_OVERLAP = True
