@@ -64,6 +64,34 @@ class CheckIntegrityReq(RpcReq):
 
 
 @dataclass
+class UpdateWeightsFromTensorReq(RpcReq):
+    named_tensors: list = field(default_factory=list)  # [(hf_name, tensor)]
+    flush_cache: bool = True
+
+
+@dataclass
+class UpdateWeightsFromDiskReq(RpcReq):
+    model_path: str = ""
+    flush_cache: bool = True
+
+
+@dataclass
+class GetWeightsByNameReq(RpcReq):
+    name: str = ""
+    truncate_size: int = 100
+
+
+@dataclass
+class ReleaseMemoryReq(RpcReq):
+    pass
+
+
+@dataclass
+class ResumeMemoryReq(RpcReq):
+    pass
+
+
+@dataclass
 class RpcReply:
     call_id: int
     result: Any = None

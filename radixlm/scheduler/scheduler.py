@@ -16,7 +16,8 @@ import torch
 from radixlm.config import ServerArgs
 from radixlm.core import FinishReason, Req, ReqStatus
 from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              PauseReq, ReqOutput, TokenizedGenerateReq)
+                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ResumeMemoryReq,
+                              TokenizedGenerateReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
@@ -79,6 +80,19 @@ class Scheduler:
             return self.pause(msg.mode)
         if isinstance(msg, ContinueReq):
             return self.resume()
+        if isinstance(msg, UpdateWeightsFromTensorReq):
+            return self._weights_op(lambda: self.runner.update_weights_from_tensor(msg.named_tensors),
+                                    msg.flush_cache)
+        if isinstance(msg, UpdateWeightsFromDiskReq):
+            return self._weights_op(lambda: self.runner.update_weights_from_disk(msg.model_path),
+                                    msg.flush_cache)
+        if isinstance(msg, GetWeightsByNameReq):
+            self.sync()
+            return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
+        if isinstance(msg, ReleaseMemoryReq):
+            return self._memory_op(release=True)
+        if isinstance(msg, ResumeMemoryReq):
+            return self._memory_op(release=False)
         raise TypeError(f"unknown message {type(msg).__name__}")
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -232,6 +246,24 @@ class Scheduler:
 
     def resume(self) -> bool:
         self.paused = False
+        return True
+
+    def _weights_op(self, op, flush: bool) -> dict:
+        """Weights change only between forwards: the launched batch resolves first. The
+        cache is namespaced by weight version, so old KV is never served afterwards."""
+        self.sync()
+        n = op()
+        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False}
+
+    def _memory_op(self, release: bool) -> bool:
+        self.sync()
+        if release:
+            if not self.is_idle():
+                raise RuntimeError("cannot release memory while requests are running; pause or abort them first")
+            self.cache.flush()  # the KV pool's contents are about to vanish
+            self.runner.release_memory()
+        else:
+            self.runner.resume_memory()
         return True
 
     def flush_cache(self) -> bool:

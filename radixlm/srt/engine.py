@@ -192,6 +192,34 @@ class Engine:
     def continue_generation(self) -> None:
         self._call(self.tokenizer_manager.continue_generation())
 
+    # ------------------------------------------------------------------ RL API
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True,
+                                   weight_version: str | None = None) -> dict:
+        """Replace weights by Hugging Face name (list of (name, tensor) or a dict). Waits for
+        running requests; all or nothing; bumps (or sets) the weight version."""
+        return self._call(self.tokenizer_manager.update_weights_from_tensor(named_tensors, flush_cache,
+                                                                            weight_version))
+
+    def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
+                                 weight_version: str | None = None) -> dict:
+        return self._call(self.tokenizer_manager.update_weights_from_disk(model_path, flush_cache,
+                                                                          weight_version))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        return self._call(self.tokenizer_manager.get_weights_by_name(name, truncate_size))
+
+    def get_weight_version(self) -> str:
+        return self.tokenizer_manager.weight_version
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.tokenizer_manager.update_weight_version(weight_version)  # a plain attribute write
+
+    def release_memory_occupation(self) -> None:
+        self._call(self.tokenizer_manager.release_memory_occupation())
+
+    def resume_memory_occupation(self) -> None:
+        self._call(self.tokenizer_manager.resume_memory_occupation())
+
     def flush_cache(self, timeout: float = 30.0) -> bool:
         return self._call(self.tokenizer_manager.flush_cache(timeout))
 

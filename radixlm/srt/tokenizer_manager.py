@@ -18,10 +18,12 @@ import zmq.asyncio
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
 from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              PauseReq, ReqTextOutput, RpcReply, RpcReq)
+                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq,
+                              RpcReply, RpcReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
+from radixlm.srt.rwlock import RWLock
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +54,12 @@ def _assign_rids(kw: dict) -> list[str]:
     return list(rid) if isinstance(rid, list) else [rid]
 
 
-def _aborted_result(rid: str, prompt_tokens: int) -> dict:
+def _aborted_result(rid: str, prompt_tokens: int, weight_version: str) -> dict:
     return {"text": "", "output_ids": [],
             "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": "Aborted by the client",
                                                        "status_code": 200},
                           "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
-                          "num_retractions": 0, "e2e_latency": 0.0}}
+                          "num_retractions": 0, "e2e_latency": 0.0, "weight_version": weight_version}}
 
 
 @dataclass
@@ -69,6 +71,7 @@ class ReqState:
     # never be mistaken for a new request that reuses its rid.
     sched_rid: str = ""
     abort_sent: bool = False
+    weight_version: str = "0"
     start: float = field(default_factory=time.perf_counter)
     pending: list[ReqTextOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -108,6 +111,10 @@ class TokenizerManager:
         self.tokenizing: list[_Tokenizing] = []
         self._submissions = itertools.count()
         self.paused = False
+        self.model_update_lock = RWLock()
+        self.weight_version = "0"
+        self._num_weight_updates = 0
+        self.memory_released = False
         self._rpc: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
@@ -174,7 +181,10 @@ class TokenizerManager:
             self._rpc.pop(req.call_id, None)
 
     async def get_server_info(self) -> dict:
-        return await self.rpc(GetInfoReq())
+        info = await self.rpc(GetInfoReq())
+        info.update(weight_version=self.weight_version, memory_released=self.memory_released,
+                    tokenizer_paused=self.paused)
+        return info
 
     async def check_integrity(self) -> None:
         await self.rpc(CheckIntegrityReq())
@@ -232,6 +242,50 @@ class TokenizerManager:
         for t in self.tokenizing:
             t.wake.set()
 
+    # ------------------------------------------------------------------ RL: weights and memory
+    async def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True,
+                                         weight_version: str | None = None) -> dict:
+        if isinstance(named_tensors, dict):
+            named_tensors = list(named_tensors.items())
+        return await self._update_weights(UpdateWeightsFromTensorReq(
+            named_tensors=[(n, t.detach().cpu()) for n, t in named_tensors], flush_cache=flush_cache),
+            weight_version)
+
+    async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
+                                       weight_version: str | None = None) -> dict:
+        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
+                                          weight_version)
+
+    async def _update_weights(self, req, weight_version: str | None) -> dict:
+        async with self.model_update_lock.write():  # running requests finish first
+            try:
+                result = await self.rpc(req, timeout=600)
+            except RuntimeError as e:
+                raise ValueError(str(e).split(": ", 1)[-1]) from None
+            self._num_weight_updates += 1
+            self.weight_version = str(weight_version) if weight_version is not None \
+                else str(self._num_weight_updates)
+            return {**result, "weight_version": self.weight_version}
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self.weight_version = str(weight_version)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        try:
+            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
+        except RuntimeError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+    async def release_memory_occupation(self) -> None:
+        async with self.model_update_lock.write():
+            await self.rpc(ReleaseMemoryReq())
+            self.memory_released = True
+
+    async def resume_memory_occupation(self) -> None:
+        async with self.model_update_lock.write():
+            await self.rpc(ResumeMemoryReq())
+            self.memory_released = False
+
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
         return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len, **kw)
@@ -255,33 +309,42 @@ class TokenizerManager:
             if r.rid in self.states:
                 raise ValueError(f"duplicate request id {r.rid!r}: a request with this id is running")
         if pending.aborted:  # aborted while tokenizing: never admitted
-            results = [_aborted_result(r.rid, len(r.input_ids)) for r in reqs]
+            results = [_aborted_result(r.rid, len(r.input_ids), self.weight_version) for r in reqs]
             yield results if (is_batch or len(results) > 1) else results[0]
             return
-        for r in reqs:
-            st = ReqState(r.rid, len(r.input_ids), stream, sched_rid=f"{r.rid}#{next(self._submissions)}")
-            self.states[r.rid] = st
-            self._by_sched_rid[st.sched_rid] = st
-        for r in reqs:
-            self.metrics.on_request(len(r.input_ids))
-            r.rid = self.states[r.rid].sched_rid
-            self.to_scheduler.send(r)
-        user_rids = [r.rid.rsplit("#", 1)[0] for r in reqs]
-        try:
-            if stream:
-                async for chunk in self._stream(user_rids, return_text_in_logprobs):
-                    yield chunk
-            else:
-                results = [await self._wait_final(r, return_text_in_logprobs) for r in user_rids]
-                yield results if (is_batch or len(results) > 1) else results[0]
-        finally:
-            unfinished = [r for r in user_rids if r in self.states and not self.states[r].finished]
-            for r in unfinished:
-                self.abort_request(r)
-            for r in user_rids:
-                st = self.states.pop(r, None)
-                if st is not None:
-                    self._by_sched_rid.pop(st.sched_rid, None)
+        # The read side is held for the request's whole life: a weight update waits for it,
+        # so every request runs on one weight version from its first token to its last.
+        async with self.model_update_lock.read():
+            if self.memory_released:
+                raise ValueError("generation is unavailable: memory was released with "
+                                 "release_memory_occupation(); call resume_memory_occupation() first")
+            version = self.weight_version
+            for r in reqs:
+                st = ReqState(r.rid, len(r.input_ids), stream, sched_rid=f"{r.rid}#{next(self._submissions)}",
+                              weight_version=version)
+                self.states[r.rid] = st
+                self._by_sched_rid[st.sched_rid] = st
+            for r in reqs:
+                self.metrics.on_request(len(r.input_ids))
+                r.rid = self.states[r.rid].sched_rid
+                r.extra_key = f"weights:{version}"  # KV of other weight versions is never shared
+                self.to_scheduler.send(r)
+            user_rids = [r.rid.rsplit("#", 1)[0] for r in reqs]
+            try:
+                if stream:
+                    async for chunk in self._stream(user_rids, return_text_in_logprobs):
+                        yield chunk
+                else:
+                    results = [await self._wait_final(r, return_text_in_logprobs) for r in user_rids]
+                    yield results if (is_batch or len(results) > 1) else results[0]
+            finally:
+                unfinished = [r for r in user_rids if r in self.states and not self.states[r].finished]
+                for r in unfinished:
+                    self.abort_request(r)
+                for r in user_rids:
+                    st = self.states.pop(r, None)
+                    if st is not None:
+                        self._by_sched_rid.pop(st.sched_rid, None)
 
     async def _normalize_async(self, kw: dict):
         # Long texts are tokenized off the event loop so other requests keep flowing.
@@ -354,7 +417,8 @@ class TokenizerManager:
     def _result(self, st: ReqState, with_text: bool, full: bool, delta: dict | None = None) -> dict:
         meta = {"id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
                 "completion_tokens": len(st.output_ids), "cached_tokens": st.cached_tokens,
-                "num_retractions": st.num_retractions, "e2e_latency": time.perf_counter() - st.start}
+                "num_retractions": st.num_retractions, "weight_version": st.weight_version,
+                "e2e_latency": time.perf_counter() - st.start}
         lps = st.output_token_logprobs if full else delta["lps"]
         tops = st.output_top_logprobs if full else delta["tops"]
         if st.output_token_logprobs or st.input_token_logprobs is not None:

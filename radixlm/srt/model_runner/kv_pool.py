@@ -23,13 +23,28 @@ class MHATokenToKVPool:
         # VM. Only row 0 must be finite, because attention backends point masked padding
         # columns at it (masked weights are 0, and 0 * NaN would still poison P @ V).
         # Other slots are read only after being written.
-        shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=self.device)
-                                             for _ in range(num_layers)]
-        self.v_buffer: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=self.device)
-                                             for _ in range(num_layers)]
+        self.k_buffer: list[torch.Tensor] = []
+        self.v_buffer: list[torch.Tensor] = []
+        self.allocate()
+
+    def allocate(self) -> None:
+        shape = (self.size + 1, self.num_kv_heads, self.head_dim)
+        self.k_buffer[:] = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                            for _ in range(self.num_layers)]
+        self.v_buffer[:] = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                            for _ in range(self.num_layers)]
         for buf in (*self.k_buffer, *self.v_buffer):
             buf[0].zero_()
+
+    def release(self) -> None:
+        """Give the memory back (RL trainers reuse it); `allocate()` brings it back empty."""
+        empty = torch.empty((0, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        self.k_buffer[:] = [empty] * self.num_layers
+        self.v_buffer[:] = [empty] * self.num_layers
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

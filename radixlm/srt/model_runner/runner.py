@@ -122,13 +122,51 @@ class ModelRunner:
         logger.info("model %s on %s (%s): KV capacity %d tokens, attention %s", self.model_path,
                     self.device, self.dtype, self.sizes.max_total_tokens, backend)
 
+    # ------------------------------------------------------------------ RL API
+    def update_weights_from_tensor(self, named_tensors) -> int:
+        from radixlm.srt.model_runner.weight_updater import WeightUpdater
+        return WeightUpdater(self.model).update(named_tensors)
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        from radixlm.srt.model_runner.weight_updater import WeightUpdater
+        from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
+        path = resolve_model_path(model_path)
+        cfg = load_model_config(path)
+        mine = self.model_config
+        shape_fields = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                        "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                        "attention_bias")
+        bad = [f for f in shape_fields if getattr(cfg, f) != getattr(mine, f)]
+        if bad:
+            raise ValueError(f"{model_path} does not match the loaded model: {', '.join(bad)} differ")
+        n = WeightUpdater(self.model).update(iter_weights(path, cfg))
+        self.model_path = path
+        return n
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        from radixlm.srt.model_runner.weight_updater import WeightUpdater
+        return WeightUpdater(self.model).get(name, truncate_size)
+
+    def release_memory(self) -> None:
+        """Free the KV pool; on a GPU also move the weights to host memory."""
+        self.kv_pool.release()
+        if self.device == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device == "cuda":
+            self.model.to(self.device)
+        self.kv_pool.allocate()
+
     def info(self) -> dict:
         return {"model_path": self.model_path, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": self.device, "attention_backend": self.attention_backend_name,
                 "max_total_num_tokens": self.sizes.max_total_tokens,
                 "max_running_requests": self.sizes.max_running_requests,
                 "chunked_prefill_size": self.sizes.chunked_prefill_size,
-                "context_length": self.max_context_len, "vocab_size": self.vocab_size}
+                "context_length": self.max_context_len, "vocab_size": self.vocab_size,
+                "kv_pool_bytes": self.kv_pool.allocated_bytes}
 
     # ------------------------------------------------------------------------
     @torch.inference_mode()
