@@ -60,12 +60,10 @@ class ClientDisconnected(Exception):
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """A readable message and the OpenAI `param` (the first bad field) from pydantic errors."""
-    parts = []
-    for e in errors[:5]:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    first = [str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-    return "; ".join(parts) or "invalid request", (first[0] if first else None)
+    def where(e: dict) -> str:
+        return ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
+    parts = [f"{where(e)}: {e.get('msg')}" if where(e) else str(e.get("msg")) for e in errors[:5]]
+    return "; ".join(parts) or "invalid request", (where(errors[0]) or None) if errors else None
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

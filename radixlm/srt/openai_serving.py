@@ -259,7 +259,7 @@ class OpenAIServing:
         # The first chunk is awaited here so that input errors are a plain HTTP 400.
         first = await next_or_disconnect(merged, receive)
         err = abort_error(first[1]["meta_info"])
-        if err is not None and err[0] == 400 and first[1]["meta_info"].get("finish_reason"):
+        if err is not None and err[0] == 400:  # rejected by the scheduler: still an input error
             await merged.aclose()
             raise HTTPError(err[1], status=400)
         return SSEResponse(self._stream_events(job, first, merged))

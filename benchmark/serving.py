@@ -1,0 +1,231 @@
+"""Online serving benchmark: an OpenAI-API load generator; prints one JSON object.
+
+    python benchmark/serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 --request-rate 8
+    python benchmark/serving.py --launch --num-prompts 32 --max-concurrency 8 [radixlm serve args...]
+
+Requests stream (SSE, `stream_options.include_usage`), so each one yields TTFT (first text),
+ITL (gaps between text chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency.
+Arrivals are Poisson at --request-rate (inf: all at once), optionally capped by
+--max-concurrency. `--dataset random` sends --input-len random token ids to /v1/completions;
+`--dataset chat` sends a fixed set of chat prompts to /v1/chat/completions. EOS is ignored
+unless --respect-eos, so every request produces --output-len tokens.
+With --launch, `radixlm serve` is started on a free port with the unrecognized arguments
+(e.g. --model-path DIR --dtype float32) and stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution", "photosynthesis",
+          "machine learning", "the water cycle", "plate tectonics", "the printing press", "quantum computing",
+          "coral reefs", "the Silk Road", "volcanoes", "the immune system", "renewable energy", "ancient Egypt"]
+STYLES = ["Explain {} to a child.", "Write a short essay about {}.", "List five facts about {}.",
+          "Summarize what is known about {}."]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- requests
+def make_requests(args, vocab_size: int, model: str) -> list[tuple[str, dict]]:
+    rng = random.Random(args.seed)
+    common = {"model": model, "max_tokens": args.output_len, "stream": True, "temperature": args.temperature,
+              "stream_options": {"include_usage": True}, "ignore_eos": not args.respect_eos}
+    out = []
+    for i in range(args.num_prompts):
+        if args.dataset == "random":
+            # ids away from both ends of the vocabulary: the specials live there in most tokenizers
+            lo, hi = min(1000, vocab_size // 4), max(vocab_size - 1000, vocab_size * 3 // 4)
+            ids = [rng.randrange(lo, hi) for _ in range(args.input_len)]
+            out.append(("/v1/completions", {**common, "prompt": ids}))
+        else:
+            text = STYLES[(i // len(TOPICS)) % len(STYLES)].format(TOPICS[i % len(TOPICS)])
+            out.append(("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}))
+    return out
+
+
+async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
+    res = Result()
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                for c in chunk.get("choices", []):
+                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - t0
+        res.ok = True
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_load(args, base_url: str) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        info = (await client.get("/get_model_info")).json()
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        reqs = make_requests(args, info["vocab_size"], model)
+        warm = dict(reqs[0][1], max_tokens=4)
+        await send(client, reqs[0][0], warm)  # first-request costs (lazy init) stay out of the numbers
+        rng = random.Random(args.seed + 1)
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(path: str, body: dict) -> Result:
+            if sem is None:
+                return await send(client, path, body)
+            async with sem:
+                return await send(client, path, body)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for path, body in reqs:
+            tasks.append(asyncio.create_task(one(path, body)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(args, results, duration, model)
+
+
+# ---------------------------------------------------------------------------- statistics
+def stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+
+    def pct(p: float) -> float:
+        k = (len(v) - 1) * p / 100
+        lo = int(k)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (k - lo)
+    return {"mean": round(sum(v) / len(v) * 1e3, 3), "p50": round(pct(50) * 1e3, 3),
+            "p90": round(pct(90) * 1e3, 3), "p99": round(pct(99) * 1e3, 3)}
+
+
+def summarize(args, results: list[Result], duration: float, model: str) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    errors = sorted({r.error for r in results if not r.ok})
+    return {"model": model, "dataset": args.dataset, "num_prompts": args.num_prompts, "completed": len(ok),
+            "failed": len(results) - len(ok), "errors": errors[:5],
+            "request_rate": str(args.request_rate), "max_concurrency": args.max_concurrency,
+            "input_len": args.input_len if args.dataset == "random" else None, "output_len": args.output_len,
+            "duration_s": round(duration, 3), "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+            "request_throughput": round(len(ok) / duration, 3),
+            "output_token_throughput": round(out_tokens / duration, 2),
+            "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
+            "ttft_ms": stats_ms([r.ttft for r in ok]), "itl_ms": stats_ms([x for r in ok for x in r.itl]),
+            "tpot_ms": stats_ms(tpot), "e2e_latency_ms": stats_ms([r.e2e for r in ok])}
+
+
+# ---------------------------------------------------------------------------- --launch
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(server_args: list[str], timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
+    print("launching:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout stays pure JSON
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"radixlm serve exited with code {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=1.0).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    raise SystemExit(f"radixlm serve not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--launch", action="store_true", help="start radixlm serve (unknown args go to it)")
+    p.add_argument("--dataset", choices=("random", "chat"), default="random")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--seed", type=int, default=0)
+    args, server_args = p.parse_known_args()
+    if server_args and not args.launch:
+        p.error(f"unrecognized arguments: {' '.join(server_args)} (server arguments need --launch)")
+    proc = None
+    base = args.base_url
+    if args.launch:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        proc, base = launch(server_args)
+    try:
+        report = asyncio.run(run_load(args, base))
+    finally:
+        if proc is not None:
+            stop(proc)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Streaming through the real HTTP server: client disconnects abort at once (streaming and
+not), 64 concurrent streams equal their non-streaming runs, multi-byte text is never split."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from test.integration.test_http_server import ServerProcess, assert_idle
+
+LONG = {"max_tokens": 1900, "ignore_eos": True}  # far longer than any test waits
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("http_stream") / "server.log"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            rc, _ = srv.stop()
+            assert rc == 0
+
+
+def _wait_running(server: ServerProcess, n: int = 1, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.info()["num_running_reqs"] < n:
+        assert time.monotonic() < deadline, "the request never started running"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------- disconnects
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "talk"}], "stream": True, **LONG}),
+    ("/v1/completions", {"prompt": "talk", "stream": True, "n": 2, **LONG}),
+    ("/generate", {"text": "talk", "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}),
+])
+def test_streaming_disconnect_aborts_at_once(server, path, body):
+    with httpx.Client(base_url=server.base, timeout=30.0) as c:
+        with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 4:
+                    break
+        # leaving the block unread closes the connection
+    waited = assert_idle(server, within=0.5)
+    assert waited < 0.5
+
+
+def _raw_post(server: ServerProcess, path: str, body: dict) -> socket.socket:
+    payload = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return s
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "talk"}], **LONG}),
+    ("/v1/completions", {"prompt": ["talk", "more"], **LONG}),
+    ("/generate", {"text": "talk", "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}),
+])
+def test_non_streaming_disconnect_aborts_at_once(server, path, body):
+    s = _raw_post(server, path, body)
+    _wait_running(server)
+    s.close()
+    assert assert_idle(server, within=0.5) < 0.5
+
+
+def test_client_timeout_aborts_non_streaming(server):
+    with httpx.Client(base_url=server.base, timeout=0.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"prompt": "wait for me", **LONG})
+    assert assert_idle(server, within=0.5) < 0.5
+
+
+def test_disconnect_while_waiting_in_queue(server):
+    """A request held before admission (generation paused) is dropped too, never admitted later."""
+    with httpx.Client(base_url=server.base, timeout=10.0) as c:
+        assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+        try:
+            s = _raw_post(server, "/generate", {"text": "queued", "sampling_params": {"max_new_tokens": 4}})
+            time.sleep(0.2)
+            s.close()
+            time.sleep(0.05)
+        finally:
+            assert c.post("/continue_generation").status_code == 200
+    assert_idle(server, within=0.5)
+
+
+# ---------------------------------------------------------------------------- concurrency
+PROMPTS = ["The history of Rome", "How vaccines work", "Black holes are", "The French revolution",
+           "Photosynthesis is", "Machine learning", "The water cycle", "Plate tectonics move"]
+
+
+def test_64_concurrent_streams_equal_non_streaming(server):
+    params = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=server.base, timeout=60.0) as c:
+        want = {p: c.post("/v1/completions", json={"prompt": p, **params}).json()["choices"][0]["text"]
+                for p in PROMPTS}
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        text, done = "", False
+        async with client.stream("POST", "/v1/completions", json={"prompt": prompt, "stream": True, **params}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert done
+        return text
+
+    async def main() -> list[str]:
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+        async with httpx.AsyncClient(base_url=server.base, timeout=120.0, limits=limits) as client:
+            return await asyncio.gather(*(one(client, PROMPTS[i % len(PROMPTS)]) for i in range(64)))
+
+    got = asyncio.run(main())
+    for i, text in enumerate(got):
+        assert text == want[PROMPTS[i % len(PROMPTS)]], i
+    assert_idle(server, within=2.0)
+
+
+# ---------------------------------------------------------------------------- multi-byte text
+MULTIBYTE = ["你好，世界！今天天气怎么样？", "🙂🚀 emoji: 🎉🎉", "日本語のテキストを書いてください", "Привет, мир! Ünïcödé"]
+
+
+@pytest.mark.parametrize("prompt", MULTIBYTE)
+def test_multibyte_stream_chunks_are_whole_characters(server, prompt):
+    params = {"max_tokens": 48, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    with httpx.Client(base_url=server.base, timeout=60.0) as c:
+        full = c.post("/v1/completions", json={"prompt": prompt, **params}).json()["choices"][0]["text"]
+        chunks = []
+        with c.stream("POST", "/v1/completions", json={"prompt": prompt, "stream": True, **params}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:])["choices"][0]["text"])
+        chat_chunks = []
+        body = {"messages": [{"role": "user", "content": prompt}], "stream": True, **params}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chat_chunks.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+        chat_full = c.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert "".join(chunks) == full
+    assert "".join(chat_chunks) == chat_full["choices"][0]["message"]["content"]
+    for pieces, whole in ((chunks, full), (chat_chunks, chat_full["choices"][0]["message"]["content"])):
+        if "\ufffd" not in whole:
+            assert not any("\ufffd" in p for p in pieces)
+
+
+def test_multibyte_outputs_were_exercised(server):
+    """The random model does emit non-ASCII text for these prompts (else the test above is moot)."""
+    with httpx.Client(base_url=server.base, timeout=60.0) as c:
+        texts = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 1.0, "seed": 1234,
+                                                 "ignore_eos": True}).json()["choices"][0]["text"]
+                 for p in MULTIBYTE]
+    assert any(ord(ch) > 127 for t in texts for ch in t)
+
+
+def test_runtime_process_death_stops_the_server(server):
+    """Last test of the module: a dead scheduler must not leave a server that hangs every
+    request; it exits non-zero and still cleans up the other child and the IPC directory."""
+    os.kill(server.runtime["child_pids"]["scheduler"], signal.SIGKILL)
+    rc = server.proc.wait(15)
+    assert rc != 0
+    server.stop()  # asserts: children gone, IPC dir removed
+    assert "scheduler process exited unexpectedly" in server.log()
