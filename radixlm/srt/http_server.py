@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from radixlm.config import ServerArgs
+from radixlm.srt.http_rl_routes import add_rl_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
                                     sse_event, validation_message)
@@ -92,6 +93,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_error_handlers(app)
     _add_openai_routes(app)
     _add_native_routes(app)
+    add_rl_routes(app, lambda request: _ctx(request).tm)
     return app
 
 

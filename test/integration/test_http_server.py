@@ -393,3 +393,34 @@ def test_sigterm_stops_everything(server):
     assert rc == 0 and elapsed < 8.0, (rc, elapsed, server.log())
     if "events" in results:  # the stream was ended by the shutdown's abort, not cut
         assert results["events"][-1] == "[DONE]"
+
+
+def test_rl_endpoints(http):
+    """Weight update over HTTP (serialized tensors), version, reads, memory hand-back."""
+    import torch
+
+    from radixlm.srt.weight_serialization import serialize_named_tensors
+    name = "model.layers.0.mlp.down_proj.weight"
+    before = http.post("/get_weights_by_name", json={"name": name, "truncate_size": 2}).json()
+    v0 = http.get("/get_weight_version").json()["weight_version"]
+    new = torch.tensor(http.post("/get_weights_by_name", json={"name": name, "truncate_size": 10**6}).json()) + 0.5
+    r = http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": serialize_named_tensors([(name, new)]), "weight_version": "rl-1"})
+    assert r.status_code == 200 and r.json()["weight_version"] == "rl-1" != v0
+    after = http.post("/get_weights_by_name", json={"name": name, "truncate_size": 2}).json()
+    assert torch.allclose(torch.tensor(after), torch.tensor(before) + 0.5)
+    out = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert out["meta_info"]["weight_version"] == "rl-1"
+    bad = http.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": serialize_named_tensors([(name, torch.zeros(3))])})
+    assert bad.status_code == 400 and "shape mismatch" in bad.json()["error"]["message"]
+    assert http.post("/update_weights_from_tensor", json={"serialized_named_tensors": "!!"}).status_code == 400
+    assert http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"}).status_code == 400
+    assert http.post("/release_memory_occupation").status_code == 200
+    refused = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 400 and "release" in refused.json()["error"]["message"]
+    assert http.post("/resume_memory_occupation").status_code == 200
+    ok = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+    assert http.post("/update_weight_version", json={"new_version": "rl-2"}).status_code == 200
+    assert http.get("/get_weight_version").json()["weight_version"] == "rl-2"

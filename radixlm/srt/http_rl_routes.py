@@ -1,0 +1,78 @@
+"""HTTP endpoints of the RL API: weight updates and reads, weight versions, memory hand-back."""
+from __future__ import annotations
+
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel
+
+from radixlm.srt.http_utils import ORJSONResponse, parse_body
+from radixlm.srt.weight_serialization import deserialize_named_tensors
+
+
+class UpdateFromTensorBody(BaseModel):
+    serialized_named_tensors: str
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class UpdateFromDiskBody(BaseModel):
+    model_path: str
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class GetWeightsBody(BaseModel):
+    name: str
+    truncate_size: int = 100
+
+
+class WeightVersionBody(BaseModel):
+    new_version: str
+
+
+def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        body = await parse_body(request, UpdateFromTensorBody)
+        named = deserialize_named_tensors(body.serialized_named_tensors)
+        res = await tm_of(request).update_weights_from_tensor(named, body.flush_cache, body.weight_version)
+        return ORJSONResponse({"success": True, **res})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await parse_body(request, UpdateFromDiskBody)
+        try:
+            res = await tm_of(request).update_weights_from_disk(body.model_path, body.flush_cache,
+                                                                body.weight_version)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        return ORJSONResponse({"success": True, **res})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        body = await parse_body(request, GetWeightsBody)
+        return ORJSONResponse(await tm_of(request).get_weights_by_name(body.name, body.truncate_size))
+
+    @app.get("/get_weight_version")
+    async def get_weight_version(request: Request):
+        return ORJSONResponse({"weight_version": tm_of(request).weight_version})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        body = await parse_body(request, WeightVersionBody)
+        tm_of(request).update_weight_version(body.new_version)
+        return ORJSONResponse({"success": True, "weight_version": body.new_version})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        try:
+            await tm_of(request).release_memory_occupation()
+        except RuntimeError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+        return ORJSONResponse({"success": True})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        await tm_of(request).resume_memory_occupation()
+        return ORJSONResponse({"success": True})
