@@ -42,7 +42,7 @@ class DetokenizerManager:
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:
     from radixlm.srt.scheduler_process import die_with_parent
 
-    die_with_parent()
+    die_with_parent(ports)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [detokenizer] %(levelname)s %(name)s: %(message)s")

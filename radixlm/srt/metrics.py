@@ -34,6 +34,12 @@ class RuntimeMetrics:
         self.cache_hit_rate = Gauge("radixlm:cache_hit_rate", "cached / prompt tokens", registry=r)
         self.new_token_ratio = Gauge("radixlm:new_token_ratio", "decode reservation ratio", registry=r)
         self.retractions = Gauge("radixlm:num_retracted_requests_total", "retractions so far", registry=r)
+        self.aborts_by_place = Gauge("radixlm:aborts", "aborts applied by the scheduler, by where the request was",
+                                     ["place"], registry=r)
+        self.cancel_latency = Gauge("radixlm:cancel_latency_seconds",
+                                    "abort call to KV returned (scheduler side)", ["quantile"], registry=r)
+        self.forward_idle = Gauge("radixlm:forward_idle_fraction",
+                                  "share of time the model waited on the scheduler between forwards", registry=r)
         self._prompt = 0
         self._cached = 0
 
@@ -64,5 +70,12 @@ class RuntimeMetrics:
             self.token_usage.set((mem["capacity"] - mem["free"]) / max(mem["capacity"], 1))
             self.new_token_ratio.set(scheduler_info["new_token_ratio"])
             self.retractions.set(scheduler_info["num_retractions"])
+            for place in ("waiting", "chunked", "running", "in_flight"):
+                self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
+            lat = scheduler_info.get("cancel_latency_s") or {}
+            for q in ("p50", "p99"):
+                if lat.get(q) is not None:
+                    self.cancel_latency.labels(q).set(lat[q])
+            self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))
         self.cache_hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
         return generate_latest(self.registry)

@@ -21,35 +21,53 @@ def build_scheduler(args: ServerArgs, send_output):
     from radixlm.radix_cache.base import create_prefix_cache
     from radixlm.scheduler.cache_manager import CacheManager
     from radixlm.scheduler.scheduler import Scheduler
+    from radixlm.srt.constrained.xgrammar_backend import create_grammar_backend
     from radixlm.srt.model_runner.runner import ModelRunner
     from radixlm.srt.weights.loader import load_tokenizer
 
     runner = ModelRunner(args)
     tokenizer = load_tokenizer(args.tokenizer_path or runner.model_path)
-    tree = create_prefix_cache(runner.req_to_token_pool, runner.allocator, page_size=args.page_size,
-                               eviction_policy=args.radix_eviction_policy,
-                               disable_radix_cache=args.disable_radix_cache)
+    sched_runner = runner
+    if args.enable_hierarchical_cache:  # HiCache: host tier under the radix cache (radixlm/hicache)
+        from radixlm.hicache import LoadFencedRunner, build_hiradix_cache
+        kv = runner.kv_pool
+        tree = build_hiradix_cache(args, runner.req_to_token_pool, runner.allocator,
+                                   lambda: kv.k_buffer + kv.v_buffer)
+        sched_runner = LoadFencedRunner(runner, tree.controller)  # forwards wait for host->device loads
+    else:
+        tree = create_prefix_cache(runner.req_to_token_pool, runner.allocator, page_size=args.page_size,
+                                   eviction_policy=args.radix_eviction_policy,
+                                   disable_radix_cache=args.disable_radix_cache)
     cache = CacheManager(tree, runner.req_to_token_pool, runner.allocator, args.page_size)
     sizes = runner.sizes
-    scheduler = Scheduler(args, runner, cache, max_running_requests=sizes.max_running_requests,
+    scheduler = Scheduler(args, sched_runner, cache, max_running_requests=sizes.max_running_requests,
                           chunked_prefill_size=sizes.chunked_prefill_size, tokenizer=tokenizer,
-                          send_output=send_output)
+                          send_output=send_output,
+                          grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids))
     return scheduler, runner
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans)."""
+def die_with_parent(ports: PortArgs) -> None:
+    """Exit, removing the IPC dir, when the parent dies (no orphans, no stale IPC files):
+    Linux sends SIGTERM to this process when its parent goes away."""
+    def on_term(signum, frame) -> None:
+        ports.cleanup()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        on_term(signal.SIGTERM, None)
 
 
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready) -> None:
-    die_with_parent()
+    die_with_parent(ports)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s")

@@ -188,3 +188,37 @@ def test_cli_generate(tiny_llama_dir):
     import json
     result = json.loads(out.stdout)
     assert result["meta_info"]["completion_tokens"] <= 4 and result["meta_info"]["prompt_tokens"] > 1
+
+
+def test_parent_death_leaves_no_orphans_or_ipc_files(tiny_llama_dir, tmp_path):
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from radixlm import Engine\n"
+        f"e = Engine(model_path={tiny_llama_dir!r}, dtype='float32', max_total_tokens=512)\n"
+        "print(json.dumps({'ipc': e.procs.ports.dir, 'children': [p.pid for p in e.procs.procs.values()]}), flush=True)\n"
+        "sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    assert os.path.isdir(info["ipc"])
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up in the parent
+    proc.wait()
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    deadline = time.time() + 10
+    while time.time() < deadline and (any(alive(p) for p in info["children"]) or os.path.isdir(info["ipc"])):
+        time.sleep(0.1)
+    assert not any(alive(p) for p in info["children"]), "orphaned child processes"
+    assert not os.path.isdir(info["ipc"]), "stale IPC dir"
