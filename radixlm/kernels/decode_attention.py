@@ -133,7 +133,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     block_d = triton.next_power_of_2(head_dim)
     # IEEE fp32 dots for fp32 inputs: tf32 (the GPU default) would perturb fp32 logits
     # enough to flip greedy tokens against the torch backend.
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = "ieee" if q.dtype == torch.float32 else None  # None: the default (fp16/bf16 ignore it)
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, mid_o, mid_lse,
         float(sm_scale), float(logit_cap), num_kv_splits,

@@ -117,7 +117,7 @@ def extend_attention_fwd(q: torch.Tensor, k_extend: torch.Tensor, v_extend: torc
     batch = qo_indptr.numel() - 1
     if num_tokens == 0 or batch == 0 or max_extend_len == 0:
         return out
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    prec = "ieee" if q.dtype == torch.float32 else None  # None: the default (fp16/bf16 ignore it)
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_extend, v_extend, out, k_buffer, v_buffer, qo_indptr, prefix_indptr, prefix_indices,

@@ -12,7 +12,8 @@ import torch
 def build_indptr(lens: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """[B] lengths -> [B + 1] exclusive prefix sums (indptr[0] == 0)."""
     out = torch.zeros(lens.numel() + 1, dtype=dtype, device=lens.device)
-    torch.cumsum(lens, 0, out=out[1:])
+    out[1:] = torch.cumsum(lens, 0)  # sum in the input dtype, then cast (cumsum's out= may
+    # reject a dtype other than its input's on some devices)
     return out
 
 

@@ -63,7 +63,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
 
 
 @triton.jit
-def _gather_rows_kernel(ptrs, slots, Out, n, row_numel, stride_bn, stride_ob, stride_on,
+def _gather_rows_kernel(ptrs, slots, Out, row_numel, stride_bn, stride_ob, stride_on,
                         BLOCK: tl.constexpr):
     i = tl.program_id(0)  # row of the page set
     buf = tl.program_id(1)  # which buffer (layer x K/V)
@@ -76,7 +76,7 @@ def _gather_rows_kernel(ptrs, slots, Out, n, row_numel, stride_bn, stride_ob, st
 
 
 @triton.jit
-def _scatter_rows_kernel(ptrs, slots, Src, n, row_numel, stride_bn, stride_sb, stride_sn,
+def _scatter_rows_kernel(ptrs, slots, Src, row_numel, stride_bn, stride_sb, stride_sn,
                          BLOCK: tl.constexpr):
     i = tl.program_id(0)
     buf = tl.program_id(1)
@@ -124,7 +124,7 @@ def gather_rows(table: BufferTable, slots: torch.Tensor, out: torch.Tensor | Non
         return out
     block = min(block, triton.next_power_of_2(table.row_numel))
     _gather_rows_kernel[(n, len(table.bufs), triton.cdiv(table.row_numel, block))](
-        table.ptrs, slots, out, n, table.row_numel, table.stride, out.stride(0), out.stride(1),
+        table.ptrs, slots, out, table.row_numel, table.stride, out.stride(0), out.stride(1),
         BLOCK=block)
     return out
 
@@ -139,5 +139,5 @@ def scatter_rows(table: BufferTable, slots: torch.Tensor, src: torch.Tensor, blo
         return
     block = min(block, triton.next_power_of_2(table.row_numel))
     _scatter_rows_kernel[(n, len(table.bufs), triton.cdiv(table.row_numel, block))](
-        table.ptrs, slots, src, n, table.row_numel, table.stride, src.stride(0), src.stride(1),
+        table.ptrs, slots, src, table.row_numel, table.stride, src.stride(0), src.stride(1),
         BLOCK=block)

@@ -11,7 +11,8 @@ import radixlm
 
 ROOT = Path(radixlm.__file__).parent
 # Lower number = lower layer; a module may import only from its own layer or lower ones.
-LAYERS = {"radix_cache": 1, "hicache": 2, "scheduler": 3, "srt": 4, "kernels": 4}
+# kernels import nothing else from radixlm, so every layer may use them
+LAYERS = {"kernels": 0, "radix_cache": 1, "hicache": 2, "scheduler": 3, "srt": 4}
 TOP_LEVEL_HIGH = {"__main__": 5, "__init__": 5}
 
 
