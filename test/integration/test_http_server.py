@@ -370,31 +370,6 @@ def test_abort_request_ends_a_stream_with_abort(http):
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
 
 
-def test_sigterm_stops_everything(server):
-    """Last test of the module: SIGTERM during a streaming request."""
-    results: dict = {}
-
-    def stream() -> None:
-        try:
-            with httpx.stream("POST", server.base + "/generate", timeout=30.0,
-                              json={"text": "x", "stream": True,
-                                    "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}) as r:
-                results["events"] = _sse(r.iter_lines())
-        except httpx.HTTPError as e:
-            results["error"] = e
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 10
-    while server.info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    rc, elapsed = server.stop()
-    t.join(10)
-    assert rc == 0 and elapsed < 8.0, (rc, elapsed, server.log())
-    if "events" in results:  # the stream was ended by the shutdown's abort, not cut
-        assert results["events"][-1] == "[DONE]"
-
-
 def test_rl_endpoints(http):
     """Weight update over HTTP (serialized tensors), version, reads, memory hand-back."""
     import torch
@@ -424,3 +399,29 @@ def test_rl_endpoints(http):
     assert ok.status_code == 200
     assert http.post("/update_weight_version", json={"new_version": "rl-2"}).status_code == 200
     assert http.get("/get_weight_version").json()["weight_version"] == "rl-2"
+
+
+def test_sigterm_stops_everything(server):
+    """Last test of the module: SIGTERM during a streaming request."""
+    results: dict = {}
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", server.base + "/generate", timeout=30.0,
+                              json={"text": "x", "stream": True,
+                                    "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}) as r:
+                results["events"] = _sse(r.iter_lines())
+        except httpx.HTTPError as e:
+            results["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 10
+    while server.info()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rc, elapsed = server.stop()
+    t.join(10)
+    assert rc == 0 and elapsed < 8.0, (rc, elapsed, server.log())
+    if "events" in results:  # the stream was ended by the shutdown's abort, not cut
+        assert results["events"][-1] == "[DONE]"
+
