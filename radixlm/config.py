@@ -69,6 +69,15 @@ class ServerArgs:
     disable_radix_cache: bool = _opt("turn the prefix cache off", default=False)
     radix_eviction_policy: str = _opt("which unlocked leaves the prefix cache evicts first",
                                       choices=("lru", "lfu", "fifo", "priority"), default="lru")
+    # ---- HiCache (host KV tier under the radix cache; radixlm/hicache) ----
+    enable_hierarchical_cache: bool = _opt("back the radix cache with a host-memory KV tier (HiCache)",
+                                           default=False)
+    hicache_ratio: float = _opt("host KV pool size as a multiple of the device KV pool", default=2.0)
+    hicache_size: float = _opt("host KV pool size in GB; overrides hicache_ratio when > 0", default=0.0)
+    hicache_write_policy: str = _opt("when radix-tree nodes are copied to the host tier",
+                                     choices=("write_through", "write_through_selective", "write_back"),
+                                     default="write_through")
+    # ---- end HiCache ----
     attention_backend: str = _opt("attention implementation",
                                   choices=("auto", "torch_native", "triton", "flashinfer"), default="auto")
     retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
@@ -112,6 +121,10 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be -1 or >= page_size")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError("hicache_ratio must be > 0 and hicache_size (GB) >= 0")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

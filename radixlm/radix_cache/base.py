@@ -71,6 +71,18 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def check_integrity(self, live_reqs: list["Req"]) -> None: ...
 
+    # ---- host tier hooks (HiCache overrides them; radixlm/hicache) ----
+    def check_events(self) -> None:
+        """Called at the top of every scheduler iteration (HiCache: process copy acks)."""
+
+    def hicache_stats(self) -> dict | None:
+        """Host-tier metrics, or None without a host tier."""
+        return None
+
+    def copy_pinned_size(self) -> int:
+        """Tokens locked only by in-flight host copies (evictable once they land)."""
+        return 0
+
     @property
     def disabled(self) -> bool:
         """True when the cache never shares KV (the scheduler may skip prefix matching)."""

@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 class PrefixMatch:
     indices: torch.Tensor
     last_node: object
+    # HiCache: tokens matched in host-only nodes past `last_node`, the deepest of them, and how
+    # many of `indices` were just loaded back from the host tier.
+    host_hit_length: int = 0
+    last_host_node: object = None
+    loaded: int = 0
 
     def __len__(self) -> int:
         return int(self.indices.numel())
@@ -35,6 +40,8 @@ class CacheManager:
         self.allocator = allocator
         self.page_size = page_size
         self.evicted_tokens_total = 0
+        # prompt tokens of admitted requests, and how many of them hit each tier (HiCache metrics)
+        self.hit_stats = {"admitted_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0}
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -45,14 +52,16 @@ class CacheManager:
         return self.allocator.available_size()
 
     def evictable(self) -> int:
-        return self.tree.evictable_size()
+        # HiCache: tokens pinned only by in-flight host copies count too, because eviction
+        # waits for those copies when it runs short (admission would otherwise stall on them).
+        return self.tree.evictable_size() + self.tree.copy_pinned_size()
 
     def protected(self) -> int:
         return self.tree.protected_size()
 
     def memory_stats(self) -> dict[str, int]:
         return {"capacity": self.capacity, "free": self.available(),
-                "evictable": self.evictable(), "protected": self.protected()}
+                "evictable": self.tree.evictable_size(), "protected": self.protected()}
 
     # ---------------------------------------------------------------- admission
     def match(self, req: Req) -> PrefixMatch:
@@ -66,7 +75,30 @@ class CacheManager:
         if limit <= 0:
             return PrefixMatch(torch.empty(0, dtype=torch.int64), self.tree.root)
         res = self.tree.match_prefix(RadixKey(fill[:limit], req.extra_key))
-        return PrefixMatch(res.device_indices, res.last_node)
+        return PrefixMatch(res.device_indices, res.last_node, res.host_hit_length, res.last_host_node)
+
+    # ---------------------------------------------------------------- HiCache
+    def load_back(self, match: PrefixMatch, quota: int) -> PrefixMatch:
+        """Load the host-resident continuation of `match` to the device (all or nothing, at most
+        `quota` tokens); returns the longer match, or `match` when nothing was loaded."""
+        loaded = self.tree.load_back(match.last_host_node, quota)
+        if loaded is None:
+            return match
+        return PrefixMatch(torch.cat([match.indices, loaded]), match.last_host_node, loaded=int(loaded.numel()))
+
+    def note_admission(self, req: Req, match: PrefixMatch) -> None:
+        self.hit_stats["admitted_tokens"] += len(req.fill_ids)
+        self.hit_stats["device_hit_tokens"] += len(match) - match.loaded
+        self.hit_stats["host_hit_tokens"] += match.loaded
+
+    def hicache_stats(self) -> dict | None:
+        stats = self.tree.hicache_stats()
+        if stats is None:
+            return None
+        h = self.hit_stats
+        total = max(h["admitted_tokens"], 1)
+        return {**stats, **h, "device_hit_rate": round(h["device_hit_tokens"] / total, 4),
+                "host_hit_rate": round(h["host_hit_tokens"] / total, 4)}
 
     def lock(self, node) -> None:
         self.tree.inc_lock_ref(node)

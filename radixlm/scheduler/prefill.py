@@ -137,6 +137,8 @@ class PrefillAdder:
         if status is not AddStatus.CONTINUE:
             return status, False
         match = self.cache.match(req)
+        if match.host_hit_length:  # HiCache: bring the host-resident part back first
+            match = self.cache.load_back(match, self.rem_total())
         prefix = len(match)
         extend = len(req.fill_ids) - prefix
         if self.should_defer(req, prefix):
@@ -171,4 +173,5 @@ class PrefillAdder:
         self._account(n, reserve if last else 0)
         self.slots_left -= 1
         self._admitted_fills.append(req.fill_ids)
+        self.cache.note_admission(req, match)
         return self._budget_status(), True

@@ -1,0 +1,11 @@
+"""Scheduler-level HiCache tests run with the overlap loop on and off (semantics §7)."""
+import pytest
+
+from . import harness
+
+
+@pytest.fixture(params=["overlap", "normal"])
+def schedule_mode(request):
+    harness.DEFAULT_OVERLAP = request.param == "overlap"
+    yield request.param
+    harness.DEFAULT_OVERLAP = True
