@@ -88,6 +88,9 @@ class Req:
     # processed, and tokens sampled by them but not yet appended to output_ids.
     inflight: int = 0
     pending_tokens: int = 0
+    # Structured output: the grammar matcher (opaque here; only the forward side advances it).
+    # Kept across retraction, since output_ids are; dropped when the request finishes.
+    grammar: Any = None
 
     # ---- reporting ----
     cached_tokens: int = 0

@@ -6,11 +6,14 @@ can reject one bad request without touching anybody else's.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 # top_k <= 0 means "whole vocabulary"; kept as a large sentinel so vector code needs no branch.
 TOP_K_ALL = 1 << 30
+# Structured-output constraints; at most one per request (the grammar queue compiles it).
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass
@@ -33,6 +36,11 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    # Structured output: a JSON schema (str or dict; kept as a JSON string), a regex or an
+    # EBNF grammar. The grammar decides when the output is complete (finish_reason stop).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -66,6 +74,18 @@ class SamplingParams:
             self.top_k = TOP_K_ALL
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.json_schema, (dict, bool)):
+            # a string is the compile-cache key; dumps keeps the property order the grammar follows
+            self.json_schema = json.dumps(self.json_schema)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, grammar text) of the request's constraint, or None."""
+        for kind in GRAMMAR_KINDS:
+            spec = getattr(self, kind)
+            if spec is not None:
+                return kind, spec
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -94,6 +114,17 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        need(len(given) <= 1, f"only one of json_schema, regex and ebnf may be given, got {', '.join(given)}")
+        for kind in given:
+            spec = getattr(self, kind)
+            need(isinstance(spec, str) and spec.strip() != "", f"{kind} must be a non-empty string")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            need(isinstance(schema, (dict, bool)), "json_schema must be a JSON object")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             need(not bad, f"stop_token_ids out of vocabulary range [0, {vocab_size}): {bad}")

@@ -7,7 +7,7 @@ imports the runner: it is handed one through its constructor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,6 +33,10 @@ class WorkerBatch:
     # lists while this batch runs).
     placeholder_source: int | None = None
     output_snapshots: list[list[int]] | None = None
+    # Structured output: each request's grammar matcher (None: unconstrained), captured when
+    # the batch is built. The forward masks the logits with it and accepts the sampled token
+    # right away, so the next launched batch always sees an up-to-date matcher.
+    grammars: list[Any] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -51,6 +55,9 @@ class BatchResult:
     # Per request: logprobs of the prompt tokens following each position in its range.
     input_logprobs: list[list[float] | None]
     input_top_logprobs: list[list[list[tuple[float, int]]] | None]
+    # Per request, after its sampled token was accepted by its grammar matcher: None (no
+    # grammar, or still open), "terminated" (the grammar is complete) or "rejected".
+    grammar_status: list[str | None] | None = None
 
 
 class ModelRunnerProtocol(Protocol):

@@ -21,6 +21,7 @@ from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, Contin
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
+from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue, grammar_finish
 from radixlm.scheduler.output import StopStringChecker, append_token, make_output
 from radixlm.scheduler.overlap import ForwardTimer, ForwardWorker, InFlight, placeholder
 from radixlm.scheduler.policy import make_policy
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunnerProtocol, cache: CacheManager,
                  *, max_running_requests: int, chunked_prefill_size: int | None,
-                 tokenizer=None, send_output: Callable[[BatchTokenOut], None] | None = None) -> None:
+                 tokenizer=None, send_output: Callable[[BatchTokenOut], None] | None = None,
+                 grammar_backend: GrammarBackend | None = None) -> None:
         self.args = args
         self.runner = runner
         self.cache = cache
@@ -48,6 +50,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        # structured-output requests waiting for their grammar to compile (semantics §1)
+        self.grammar_queue = GrammarQueue(grammar_backend)
         self.overlap = not args.disable_overlap_schedule
         self.worker = ForwardWorker(runner) if self.overlap else None
         self.timer = self.worker.timer if self.worker else ForwardTimer()
@@ -59,7 +63,7 @@ class Scheduler:
         self.stats = {"num_retractions": 0, "num_prefill_tokens": 0, "num_decode_tokens": 0,
                       "num_cached_tokens": 0, "num_steps": 0, "num_aborted": 0, "num_finished": 0,
                       "aborts_waiting": 0, "aborts_chunked": 0, "aborts_running": 0,
-                      "aborts_in_flight": 0, "num_timeouts": 0, "num_rejected": 0}
+                      "aborts_in_flight": 0, "aborts_grammar": 0, "num_timeouts": 0, "num_rejected": 0}
         # abort call -> KV returned, seconds (bounded window for percentiles)
         self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
 
@@ -108,12 +112,16 @@ class Scheduler:
             self._flush_outputs()
             return
         limit = self.args.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
+        if limit is not None and len(self.waiting) + len(self.grammar_queue) >= limit:
             req.finish_reason = FinishReason.abort(f"the queue is full ({limit} waiting requests)",
                                                    status_code=503)
             self.stats["num_rejected"] += 1
             self._emit(req)
             self._flush_outputs()
+            return
+        grammar = req.sampling_params.grammar
+        if grammar is not None:
+            self.grammar_queue.add(req, grammar)  # _validate made sure there is one
             return
         self.waiting.append(req)
 
@@ -127,6 +135,8 @@ class Scheduler:
         if any(not 0 <= t < self.runner.vocab_size for t in req.origin_input_ids):
             return f"input token ids must be in [0, {self.runner.vocab_size})"
         sp = req.sampling_params
+        if sp.grammar is not None and not self.grammar_queue.available:
+            return "structured output (json_schema, regex, ebnf) is not available: xgrammar is not installed"
         # Generation may not run past the context window.
         sp.max_new_tokens = min(sp.max_new_tokens, self.runner.max_context_len - n)
         sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
@@ -150,6 +160,13 @@ class Scheduler:
             req.abort_sent_time = msg.sent_time or None
             self._finish(req, reason, insert=True)
             self.stats["aborts_waiting"] += 1
+            count += 1
+        # method 2: waiting for a grammar compile: cancel it, answer at once (no KV held)
+        for req in [r for r in self.grammar_queue.reqs if abort_matches(msg, r.rid)]:
+            self.grammar_queue.remove(req)
+            req.abort_sent_time = msg.sent_time or None
+            self._finish(req, reason, insert=True)
+            self.stats["aborts_grammar"] += 1
             count += 1
         # chunked prefill: computed chunks stay in the tree, the next chunk never runs
         req = self.chunked_req
@@ -206,6 +223,12 @@ class Scheduler:
             why = expired(req, waiting=True)
             if why:
                 self.waiting.remove(req)
+                self._finish(req, FinishReason.abort(why, status_code=503), insert=True)
+                self.stats["num_timeouts"] += 1
+        for req in self.grammar_queue.reqs:
+            why = expired(req, waiting=True)
+            if why:
+                self.grammar_queue.remove(req)
                 self._finish(req, FinishReason.abort(why, status_code=503), insert=True)
                 self.stats["num_timeouts"] += 1
         in_flight = self.in_flight_reqs()
@@ -276,7 +299,7 @@ class Scheduler:
     # ================================================================ the loop
     def is_idle(self) -> bool:
         return (not self.waiting and not self.running and self.chunked_req is None
-                and self.in_flight is None and not self.pending_release)
+                and self.in_flight is None and not self.pending_release and not self.grammar_queue)
 
     def live_reqs(self) -> list[Req]:
         """Every request that holds KV right now."""
@@ -290,14 +313,14 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration. Returns False when there was nothing to do."""
+        self.cache.tree.check_events()  # HiCache: acks of finished host copies unlock their nodes
         self.check_timeouts()
+        self._admit_compiled()
         if self.overlap:
             return self._step_overlap()
         batch = None if self.paused else self.get_next_batch()
         if batch is None:
-            self.ratio.on_idle()
-            self._flush_outputs()
-            return False
+            return self._idle()
         self._mark_launched(batch)
         self._process(batch, self.timer.run(self.runner, batch))
         self._end_step()
@@ -315,11 +338,29 @@ class Scheduler:
         if prev is not None:
             self._process(prev.batch, prev.result())
         if batch is None and prev is None:
-            self.ratio.on_idle()
-            self._flush_outputs()
-            return False
+            return self._idle()
         self._end_step()
         return True
+
+    def _idle(self) -> bool:
+        """Nothing to run. Returns False (the caller may block on its inbox) unless a grammar
+        is compiling: then wait briefly for it and report progress, so the request moves on
+        as soon as its compile is done."""
+        self.ratio.on_idle()
+        self._flush_outputs()
+        if self.grammar_queue:
+            self.grammar_queue.wait()
+            return True
+        return False
+
+    def _admit_compiled(self) -> None:
+        """Grammar queue → waiting queue for compiled grammars; failed compiles answered with 400."""
+        if not self.grammar_queue:
+            return
+        ready, failed = self.grammar_queue.pop_ready()
+        self.waiting.extend(ready)
+        for req, reason in failed:
+            self._finish(req, reason, insert=True)
 
     def sync(self) -> None:
         """Process the launched batch now (pause, flush, retraction and weight updates need
@@ -407,7 +448,8 @@ class Scheduler:
         return WorkerBatch(mode="extend", reqs=plan.reqs, input_ids=input_ids,
                            out_cache_loc=torch.cat(plan.out_locs), prefix_lens=plan.prefix_lens,
                            extend_lens=plan.extend_lens, sample=plan.sample,
-                           input_logprob_ranges=ranges, input_logprob_targets=targets)
+                           input_logprob_ranges=ranges, input_logprob_targets=targets,
+                           grammars=self._grammars(plan.reqs))
 
     @staticmethod
     def _input_logprob_range(req: Req, prefix: int, extend: int) -> tuple[tuple[int, int], list[int]]:
@@ -451,7 +493,12 @@ class Scheduler:
                            prefix_lens=prefix_lens, extend_lens=[1] * n, sample=[True] * n,
                            input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
                            placeholder_source=id(src) if any(r.pending_tokens for r in reqs) else None,
-                           output_snapshots=[list(r.output_ids) for r in reqs] if self.overlap else None)
+                           output_snapshots=[list(r.output_ids) for r in reqs] if self.overlap else None,
+                           grammars=self._grammars(reqs))
+
+    @staticmethod
+    def _grammars(reqs: list[Req]) -> list | None:
+        return [r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None
 
     def _decode_candidates(self) -> list[Req]:
         """Running requests that need another token: not being aborted, and not certain to
@@ -547,6 +594,8 @@ class Scheduler:
             req.first_token_time = time.perf_counter()
         append_token(req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i])
         req.check_finished()
+        if result.grammar_status is not None:
+            grammar_finish(req, result.grammar_status[i], result.next_token_ids[i])
         self.stop_checker.check(req)
 
     def _record_input_logprobs(self, req: Req, batch: WorkerBatch, i: int, result: BatchResult) -> None:
@@ -565,6 +614,7 @@ class Scheduler:
         req.finish_reason = reason
         req.to_finish = None
         req.status = ReqStatus.FINISHED
+        req.grammar = None  # release the matcher (a launched batch keeps its own reference)
         req.finished_time = time.perf_counter()
         if req.inflight > 0:
             self.pending_release[id(req)] = req  # a launched batch may still write its KV
@@ -596,5 +646,7 @@ class Scheduler:
                 "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
+                "num_grammar_queue_reqs": len(self.grammar_queue), **self.grammar_queue.stats,
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
-                **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {})}
+                **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {}),
+                **({"hicache": h} if (h := self.cache.hicache_stats()) is not None else {})}

@@ -14,6 +14,7 @@ import torch
 from radixlm.config import ModelConfig, ServerArgs
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.scheduler.batch import BatchResult, WorkerBatch
+from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
@@ -199,6 +200,7 @@ class ModelRunner:
         tops: list[list[tuple[float, int]] | None] = [None] * n
         in_lps: list[list[float] | None] = [None] * n
         in_tops: list[list[list[tuple[float, int]]] | None] = [None] * n
+        grammar_status: list[str | None] | None = None
         if not rows:
             return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
         if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
@@ -216,15 +218,23 @@ class ModelRunner:
                 srows.append(SamplingRow(params=r.sampling_params, prompt_ids=r.origin_input_ids,
                                          output_ids=outs, stop_ids=stop_ids,
                                          return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num))
-            out = self.sampler.sample(logits[:len(sample_idx)], srows)
+            # structured output: mask with each matcher, then advance it by the sampled token
+            # now, before any later batch builds its mask (semantics §7)
+            matchers = [batch.grammars[i] for i in sample_idx] if batch.grammars is not None else None
+            vocab_mask = build_vocab_mask(matchers, self.vocab_size, logits.device) if matchers else None
+            out = self.sampler.sample(logits[:len(sample_idx)], srows, vocab_mask=vocab_mask)
             for j, i in enumerate(sample_idx):
                 next_ids[i] = out.next_token_ids[j]
                 logprobs[i] = out.logprobs[j]
                 tops[i] = out.top_logprobs[j]
+            if matchers:
+                grammar_status = [None] * n
+                for i, st in zip(sample_idx, advance_matchers(matchers, out.next_token_ids)):
+                    grammar_status[i] = st
         for i, first, count in lp_slices:
             targets = torch.tensor(batch.input_logprob_targets[i], dtype=torch.int64, device=logits.device)
             lps, tks = self.sampler.logprobs_of(logits[first:first + count], targets,
                                                 batch.reqs[i].top_logprobs_num)
             in_lps[i] = lps
             in_tops[i] = tks
-        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
+        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops, grammar_status)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.sampling_params import SamplingParams
+from radixlm.srt.constrained.bitmask import apply_vocab_mask
 from radixlm.srt.model_runner.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
-from radixlm.srt.model_runner.sampling_batch import (BatchPlan, SampleOutput, SamplingRow,
+from radixlm.srt.model_runner.sampling_batch import (BatchPlan, SampleOutput, SamplingRow, VocabMask,
                                                      build_stop_ids)
 
 __all__ = ["Sampler", "SamplerStats", "SamplingRow", "SampleOutput", "build_stop_ids", "mix_seed"]
@@ -188,8 +189,10 @@ class Sampler:
         self.stats = SamplerStats()
 
     # ------------------------------------------------------------------ public
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
-        """Next token of each row of `logits` ([B, >= vocab_size], float32 or bf16)."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               vocab_mask: VocabMask | None = None) -> SampleOutput:
+        """Next token of each row of `logits` ([B, >= vocab_size], float32 or bf16); rows of
+        `vocab_mask` draw only among the tokens their grammar allows (logprobs stay raw)."""
         self.stats.calls += 1
         b = len(rows)
         if logits.dim() != 2 or logits.shape[0] != b or logits.shape[1] < self.vocab_size:
@@ -199,13 +202,13 @@ class Sampler:
             return SampleOutput([], [], [])
         # Columns past vocab_size (a padded lm_head) must never be sampled.
         raw = logits[:, : self.vocab_size]
-        plan = BatchPlan.build(rows)
+        plan = BatchPlan.build(rows, vocab_mask)
 
         if plan.fast_path:
             self.stats.fast_path_calls += 1
             ids_t = raw.argmax(dim=-1)
         else:
-            ids_t = self._sample_slow(raw, rows, plan)
+            ids_t = self._sample_slow(raw, rows, plan, vocab_mask)
 
         ids = ids_t.tolist()
         logprobs, tops = self._chosen_logprobs(raw, ids_t, rows, plan.logprob)
@@ -237,14 +240,15 @@ class Sampler:
         return out_lp, out_top
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       plan: BatchPlan | None = None) -> torch.Tensor:
-        """float32 copy of logits[:, :vocab_size] after bias, penalties and the min_new mask.
+                       plan: BatchPlan | None = None, vocab_mask: VocabMask | None = None) -> torch.Tensor:
+        """float32 copy of logits[:, :vocab_size] after bias, penalties, the min_new mask and
+        the grammar mask.
 
         This is what greedy rows take the argmax of (temperature and the filters cannot
         change an argmax); exposed for tests and debugging.
         """
         if plan is None:
-            plan = BatchPlan.build(rows)
+            plan = BatchPlan.build(rows, vocab_mask)
         # Own contiguous float32 copy: the caller's logits stay untouched for the logprobs,
         # and the penalties index the flattened view.
         x = torch.empty((logits.shape[0], self.vocab_size), dtype=torch.float32, device=logits.device)
@@ -255,13 +259,37 @@ class Sampler:
             apply_penalties(x, rows, plan.penalty)
         if plan.min_new:
             mask_stop_tokens(x, rows, plan.min_new)
+        if plan.grammar and vocab_mask is not None:
+            apply_vocab_mask(x, vocab_mask)
+            if plan.min_new:
+                self._grammar_over_min_new(x, logits, rows, plan, vocab_mask)
         return x
 
+    def _grammar_over_min_new(self, x: torch.Tensor, logits: torch.Tensor, rows: list[SamplingRow],
+                              plan: BatchPlan, vocab_mask: VocabMask) -> None:
+        """A grammar that allows only a stop token while min_new_tokens still masks it leaves
+        no token at all: the grammar wins (such a row is redone without the min_new mask)."""
+        both = sorted(set(plan.grammar) & set(plan.min_new))
+        if not both:
+            return
+        dead = torch.isneginf(x[both]).all(dim=-1).tolist()
+        for i, is_dead in zip(both, dead):
+            if is_dead:
+                redo = VocabMask(vocab_mask.bitmask[i:i + 1], [0])
+                row = x[i:i + 1]
+                row.copy_(logits[i:i + 1, : self.vocab_size])
+                if rows[i].needs_bias:
+                    apply_logit_bias(row, [rows[i]], [0])
+                if rows[i].needs_penalty:
+                    apply_penalties(row, [rows[i]], [0])
+                apply_vocab_mask(row, redo)
+
     # ------------------------------------------------------------------ internals
-    def _sample_slow(self, raw: torch.Tensor, rows: list[SamplingRow], plan: BatchPlan) -> torch.Tensor:
+    def _sample_slow(self, raw: torch.Tensor, rows: list[SamplingRow], plan: BatchPlan,
+                     vocab_mask: VocabMask | None = None) -> torch.Tensor:
         # Without bias/penalties/mask the raw logits are read as they are: the temperature
         # division below makes the sampler's own float32 copy, saving a pass over [B, V].
-        x = self.process_logits(raw, rows, plan) if plan.modifies_logits else raw
+        x = self.process_logits(raw, rows, plan, vocab_mask) if plan.modifies_logits else raw
 
         if not plan.random:
             return x.argmax(dim=-1)

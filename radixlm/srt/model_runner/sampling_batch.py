@@ -8,11 +8,14 @@ sampler never touches a row with an operation it does not need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from radixlm.sampling_params import SamplingParams
 
-__all__ = ["SamplingRow", "SampleOutput", "BatchPlan", "build_stop_ids"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SamplingRow", "SampleOutput", "BatchPlan", "VocabMask", "build_stop_ids"]
 
 
 def build_stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
@@ -56,6 +59,17 @@ class SamplingRow:
 
 
 @dataclass
+class VocabMask:
+    """Tokens a grammar allows for some rows of the batch (structured output).
+
+    Bit t % 32 of int32 word t // 32 of `bitmask[i]` is 1 when token t is allowed for row i;
+    rows not listed in `rows` are not masked (their bitmask rows are ignored)."""
+
+    bitmask: "torch.Tensor"  # int32 [B, ceil(V / 32)], on the logits' device
+    rows: list[int]
+
+
+@dataclass
 class SampleOutput:
     next_token_ids: list[int]
     # Raw-model logprob of the chosen token (log_softmax of the unprocessed logits);
@@ -76,10 +90,13 @@ class BatchPlan:
     bias: list[int] = field(default_factory=list)  # logit_bias
     min_new: list[int] = field(default_factory=list)  # stop ids masked this step
     logprob: list[int] = field(default_factory=list)
+    grammar: list[int] = field(default_factory=list)  # masked by a VocabMask
 
     @staticmethod
-    def build(rows: list[SamplingRow]) -> "BatchPlan":
+    def build(rows: list[SamplingRow], vocab_mask: VocabMask | None = None) -> "BatchPlan":
         plan = BatchPlan()
+        if vocab_mask is not None:
+            plan.grammar = list(vocab_mask.rows)
         for i, r in enumerate(rows):
             (plan.greedy if r.params.is_greedy else plan.random).append(i)
             if r.needs_penalty:
@@ -94,7 +111,7 @@ class BatchPlan:
 
     @property
     def modifies_logits(self) -> bool:
-        return bool(self.penalty or self.bias or self.min_new)
+        return bool(self.penalty or self.bias or self.min_new or self.grammar)
 
     @property
     def fast_path(self) -> bool:

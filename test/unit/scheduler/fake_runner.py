@@ -37,6 +37,7 @@ class FakeRunner:
         pos = 0
         n = len(batch.reqs)
         next_ids: list[int | None] = [None] * n
+        grammar_status: list[str | None] = [None] * n
         for i, req in enumerate(batch.reqs):
             prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
             # a launched batch must not read live request state the scheduler is mutating
@@ -54,12 +55,19 @@ class FakeRunner:
             self.tokens_computed += extend
             if batch.sample[i]:
                 next_ids[i] = self.next_token(fill[:prefix + extend], self.vocab_size)
+                matcher = batch.grammars[i] if batch.grammars is not None else None
+                if matcher is not None and not matcher.terminated:
+                    # like the real runner: constrain, then advance the matcher at once
+                    next_ids[i] = matcher.constrain(next_ids[i], self.vocab_size)
+                    ok = matcher.accept(next_ids[i])
+                    grammar_status[i] = "rejected" if not ok else "terminated" if matcher.terminated else None
         logprobs = [-1.0 if r.return_logprob else None for r in batch.reqs]
         tops = [[(-1.0, t)] if t is not None and r.top_logprobs_num else None
                 for r, t in zip(batch.reqs, next_ids)]
         in_lps = [[-2.0] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
         in_tops = [[[(-2.0, 0)]] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
-        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
+        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops,
+                           grammar_status if batch.grammars is not None else None)
 
 
 def reference_output(prompt: list[int], max_new: int, vocab: int = 97) -> list[int]:

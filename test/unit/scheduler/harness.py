@@ -81,7 +81,7 @@ class Harness:
 
 def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None = None,
                  disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
-                 context: int = 512, eos: tuple[int, ...] = (), **args) -> Harness:
+                 context: int = 512, eos: tuple[int, ...] = (), grammar_backend=None, **args) -> Harness:
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
                              debug_check_integrity=True, **args)
@@ -92,5 +92,6 @@ def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None 
     runner = FakeRunner(capacity, pool, vocab, context, eos)
     h = Harness(None, runner, cache)  # type: ignore[arg-type]
     h.scheduler = Scheduler(server_args, runner, cache, max_running_requests=max_running,
-                            chunked_prefill_size=chunk, send_output=h.on_output)
+                            chunked_prefill_size=chunk, send_output=h.on_output,
+                            grammar_backend=grammar_backend)
     return h
