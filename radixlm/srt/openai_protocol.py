@@ -54,6 +54,11 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     rid: str | list[str] | None = None
     timeout: float | None = None  # per-request deadline in seconds (503 when exceeded)
+    # structured output: OpenAI's response_format, or SGLang's direct constraints
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -82,7 +87,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from starlette.types import Receive
 
 from radixlm.sampling_params import SamplingParams
+from radixlm.srt.constrained.response_format import response_format_to_sampling_params
 from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResponse, abort_error, error_body,
                                     merge_streams, next_or_disconnect, sse_event)
 from radixlm.srt.openai_format import (TokenBytes, chat_logprobs, completion_logprobs, finish_reason_str,
@@ -113,9 +114,6 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.tools:
             raise HTTPError("tools are not supported", param="tools")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise HTTPError(f"response_format {fmt!r} is not supported", param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise HTTPError("top_logprobs requires logprobs=true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -228,6 +226,13 @@ class OpenAIServing:
             d["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.stop_token_ids:
             d["stop_token_ids"] = list(req.stop_token_ids)
+        try:
+            d.update(response_format_to_sampling_params(req.response_format))
+        except ValueError as e:
+            raise HTTPError(str(e), param="response_format") from e
+        for name in ("json_schema", "regex", "ebnf"):
+            if getattr(req, name) is not None:
+                d[name] = getattr(req, name)
         if req.logit_bias:
             try:
                 d["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}

@@ -401,6 +401,23 @@ def test_rl_endpoints(http):
     assert http.get("/get_weight_version").json()["weight_version"] == "rl-2"
 
 
+
+def test_structured_output_over_openai(client):
+    import json
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="tiny_llama", messages=[{"role": "user", "content": "json please"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"a"} and 0 <= obj["a"] <= 9
+    c = client.completions.create(model="tiny_llama", prompt="Answer:", max_tokens=10, temperature=0,
+                                  extra_body={"regex": "(yes|no)"})
+    assert c.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny_llama", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=5, response_format={"type": "xml"})
+
 def test_sigterm_stops_everything(server):
     """Last test of the module: SIGTERM during a streaming request."""
     results: dict = {}
