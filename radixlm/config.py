@@ -90,6 +90,9 @@ class ServerArgs:
                                                  default=None)
     disable_overlap_schedule: bool = _opt("run each forward to completion before scheduling the next",
                                           default=False)
+    enable_overlap_schedule: bool = _opt("overlap scheduling on a CPU too (default: on with CUDA only; on a "
+                                         "small CPU the scheduler thread competes with the model's threads)",
+                                         default=False)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -97,6 +100,11 @@ class ServerArgs:
     log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
     host: str = _opt("HTTP host", default="127.0.0.1")
     port: int = _opt("HTTP port", default=30000)
+
+    def overlap_schedule(self, device: str) -> bool:
+        if self.disable_overlap_schedule:
+            return False
+        return self.enable_overlap_schedule or device == "cuda"
 
     def replace(self, **kw: Any) -> "ServerArgs":
         return dataclasses.replace(self, **kw)

@@ -52,7 +52,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         # structured-output requests waiting for their grammar to compile (semantics §1)
         self.grammar_queue = GrammarQueue(grammar_backend)
-        self.overlap = not args.disable_overlap_schedule
+        self.overlap = args.overlap_schedule(getattr(runner, "device", "cpu"))
         self.worker = ForwardWorker(runner) if self.overlap else None
         self.timer = self.worker.timer if self.worker else ForwardTimer()
         self.in_flight: InFlight | None = None

@@ -12,7 +12,8 @@ def engine(tiny_llama_dir, request):
     # every generation test runs with the overlap scheduler on and off: outputs must agree
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=8192,
                  chunked_prefill_size=64, debug_check_integrity=True,
-                 disable_overlap_schedule=request.param == "normal")
+                 disable_overlap_schedule=request.param == "normal",
+                 enable_overlap_schedule=request.param == "overlap")
     yield eng
     eng.shutdown()
 

@@ -17,7 +17,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=700, max_running_requests=24,
-                 chunked_prefill_size=32, schedule_conservativeness=0.05, debug_check_integrity=True)
+                 chunked_prefill_size=32, schedule_conservativeness=0.05, debug_check_integrity=True,
+                 enable_overlap_schedule=True)  # the storm and abort paths must hold with overlap on
     yield eng
     eng.shutdown()
 

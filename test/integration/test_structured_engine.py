@@ -29,7 +29,8 @@ def engines(tiny_llama_dir):
         for mode in ("overlap", "normal"):
             made[mode] = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=4096,
                                 chunked_prefill_size=64, debug_check_integrity=True,
-                                disable_overlap_schedule=mode == "normal")
+                                disable_overlap_schedule=mode == "normal",
+                                enable_overlap_schedule=mode == "overlap")
         yield made
     finally:
         for eng in made.values():

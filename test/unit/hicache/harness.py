@@ -97,6 +97,7 @@ def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | Non
                     copy_hook=None, vocab: int = 97, context: int = 1024, page_size: int = 1,
                     **args) -> HiHarness:
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
+    args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size, debug_check_integrity=True,
                              enable_hierarchical_cache=hicache, hicache_ratio=hicache_ratio,
                              hicache_write_policy=write_policy, **args)

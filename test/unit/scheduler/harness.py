@@ -83,6 +83,7 @@ def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None 
                  disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
                  context: int = 512, eos: tuple[int, ...] = (), grammar_backend=None, **args) -> Harness:
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
+    args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
                              debug_check_integrity=True, **args)
     pool = ReqToTokenPool(max_running + 2, context)

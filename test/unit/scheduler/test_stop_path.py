@@ -118,7 +118,7 @@ def test_overlap_finish_in_flight_defers_release():
     after N+1 resolves, and N+1's token for it is never delivered."""
     p = _prompt(10, 40)
     ref = reference_output(p, 30)
-    h = make_harness(eos=(ref[4],), disable_overlap_schedule=False)
+    h = make_harness(eos=(ref[4],), disable_overlap_schedule=False, enable_overlap_schedule=True)
     rid = h.submit(p, max_new_tokens=30)
     released_early = []
     sched = h.scheduler
