@@ -30,6 +30,9 @@ from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker
 
 logger = logging.getLogger(__name__)
 
+# Upper bounds (seconds) of the cancel-latency histogram: abort call -> KV returned.
+CANCEL_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
+
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunnerProtocol, cache: CacheManager,
@@ -66,6 +69,9 @@ class Scheduler:
                       "aborts_in_flight": 0, "aborts_grammar": 0, "num_timeouts": 0, "num_rejected": 0}
         # abort call -> KV returned, seconds (bounded window for percentiles)
         self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        # cumulative histogram of the same, for Prometheus
+        self.cancel_hist = {"buckets": list(CANCEL_LATENCY_BUCKETS), "counts": [0] * len(CANCEL_LATENCY_BUCKETS),
+                            "sum": 0.0, "count": 0}
 
     # ================================================================ messages
     def handle(self, msg) -> object:
@@ -621,7 +627,14 @@ class Scheduler:
         else:
             self.cache.release(req, insert=insert)
         if req.abort_sent_time is not None and reason.type == "abort":
-            self.cancel_latencies.append(max(0.0, time.time() - req.abort_sent_time))
+            latency = max(0.0, time.time() - req.abort_sent_time)
+            self.cancel_latencies.append(latency)
+            h = self.cancel_hist
+            h["sum"] += latency
+            h["count"] += 1
+            for i, bound in enumerate(h["buckets"]):
+                if latency <= bound:
+                    h["counts"][i] += 1
         self.stats["num_finished"] += 1
         self._emit(req)
 
@@ -642,7 +655,7 @@ class Scheduler:
         lat = sorted(self.cancel_latencies)
         cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
                   "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
-        return {"cancel_latency_s": cancel, "paused": self.paused, "overlap": self.overlap,
+        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist, "paused": self.paused, "overlap": self.overlap,
                 "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),

@@ -19,6 +19,11 @@ logger = logging.getLogger(__name__)
 PROGRESS_BAR_MIN_PROMPTS = 16
 
 
+def _generate_kwargs(call_locals: dict) -> dict:
+    """The generate() arguments as TokenizerManager.generate_request keywords."""
+    return {k: v for k, v in call_locals.items() if k != "self"}
+
+
 def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -88,10 +93,7 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                  return_text_in_logprobs: bool = False, timeout: float | None = None):
-        kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                  return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                  top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
-                  return_text_in_logprobs=return_text_in_logprobs, timeout=timeout)
+        kw = _generate_kwargs(locals())
         tm = self.tokenizer_manager
         if stream:
             agen = tm.generate_request(**kw)
@@ -106,10 +108,7 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                              return_text_in_logprobs: bool = False, timeout: float | None = None):
-        kw = dict(prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-                  return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                  top_logprobs_num=top_logprobs_num, rid=rid, stream=stream,
-                  return_text_in_logprobs=return_text_in_logprobs, timeout=timeout)
+        kw = _generate_kwargs(locals())
         agen = self.tokenizer_manager.generate_request(**kw)
         if stream:
             first = await self._bridge(self._prime(agen))

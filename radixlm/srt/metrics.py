@@ -12,6 +12,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 
 
+class _CancelLatencyCollector:
+    """Exports the scheduler's cumulative cancel-latency histogram as a Prometheus histogram."""
+
+    def __init__(self, metrics: "RuntimeMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+        h = self.metrics._last_hist
+        fam = HistogramMetricFamily("radixlm:cancel_latency_seconds", "abort call to KV returned")
+        if h:
+            bounds = ["+Inf" if b == float("inf") else repr(b) for b in h["buckets"]]
+            fam.add_metric([], list(zip(bounds, h["counts"])), h["sum"])
+        yield fam
+
+
 class RuntimeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -36,8 +52,8 @@ class RuntimeMetrics:
         self.retractions = Gauge("radixlm:num_retracted_requests_total", "retractions so far", registry=r)
         self.aborts_by_place = Gauge("radixlm:aborts", "aborts applied by the scheduler, by where the request was",
                                      ["place"], registry=r)
-        self.cancel_latency = Gauge("radixlm:cancel_latency_seconds",
-                                    "abort call to KV returned (scheduler side)", ["quantile"], registry=r)
+        self._last_hist: dict | None = None
+        r.register(_CancelLatencyCollector(self))
         self.forward_idle = Gauge("radixlm:forward_idle_fraction",
                                   "share of time the model waited on the scheduler between forwards", registry=r)
         self._prompt = 0
@@ -72,10 +88,7 @@ class RuntimeMetrics:
             self.retractions.set(scheduler_info["num_retractions"])
             for place in ("waiting", "chunked", "running", "in_flight"):
                 self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
-            lat = scheduler_info.get("cancel_latency_s") or {}
-            for q in ("p50", "p99"):
-                if lat.get(q) is not None:
-                    self.cancel_latency.labels(q).set(lat[q])
+            self._last_hist = scheduler_info.get("cancel_latency_hist")
             self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))
         self.cache_hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
         return generate_latest(self.registry)

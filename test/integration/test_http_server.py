@@ -368,6 +368,10 @@ def test_abort_request_ends_a_stream_with_abort(http):
     fr = events[-2]["meta_info"]["finish_reason"]
     assert fr["type"] == "abort" and len(events[-2]["output_ids"]) < 1900
     assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+    metrics = http.get("/metrics").text
+    count = [line for line in metrics.splitlines() if line.startswith("radixlm:cancel_latency_seconds_count")]
+    assert count and float(count[0].split()[-1]) >= 1  # abort call -> KV returned, as a histogram
+    assert 'radixlm:aborts{place="running"}' in metrics
 
 
 def test_rl_endpoints(http):

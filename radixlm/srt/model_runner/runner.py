@@ -40,14 +40,8 @@ def _available_memory_bytes(device: str) -> int:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
         return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    from radixlm.hicache.host_pool import available_ram_bytes
+    return available_ram_bytes()
 
 
 @dataclass(frozen=True)
