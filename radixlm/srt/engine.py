@@ -56,6 +56,20 @@ class Engine:
             raise
         self.tokenizer = self.tokenizer_manager.tokenizer
         atexit.register(self.shutdown)
+        for name, proc in self.procs.procs.items():
+            threading.Thread(target=self._watch_child, args=(name, proc), daemon=True,
+                             name=f"radixlm-watch-{name}").start()
+
+    def _watch_child(self, name: str, proc) -> None:
+        code = proc.wait()
+        if self._closed:
+            return
+        logger.error("the %s process exited unexpectedly (code %s)", name, code)
+        try:
+            self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all,
+                                            f"the {name} process exited unexpectedly (code {code})")
+        except RuntimeError:  # the loop is already closed
+            pass
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro, timeout: float | None = None):

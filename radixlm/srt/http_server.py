@@ -106,6 +106,7 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
             return
         logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
         ctx.dead_child = name
+        ctx.tm.fail_all(f"the {name} process exited unexpectedly (code {code})")
         signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
 
     def wait(name: str, proc) -> None:

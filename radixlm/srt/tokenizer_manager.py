@@ -18,7 +18,7 @@ import zmq.asyncio
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
 from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq,
+                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq,
                               RpcReply, RpcReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
@@ -115,6 +115,7 @@ class TokenizerManager:
         self.weight_version = "0"
         self._num_weight_updates = 0
         self.memory_released = False
+        self.dead: str | None = None  # set when a runtime process died
         self._rpc: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
@@ -169,8 +170,24 @@ class TokenizerManager:
         st.pending.append(o)
         st.event.set()
 
+    def fail_all(self, message: str) -> None:
+        """A runtime process died: answer every live request with a 500 abort (nothing else
+        ever would) and refuse new ones, instead of leaving callers hanging."""
+        self.dead = message
+        reason = {"type": "abort", "message": message, "status_code": 500}
+        for st in list(self.states.values()):
+            if not st.finished:
+                self._on_output(ReqTextOutput(ReqOutput(
+                    rid=st.sched_rid, new_token_ids=[], finish_reason=reason, prompt_tokens=st.prompt_tokens,
+                    completion_tokens=len(st.output_ids), cached_tokens=st.cached_tokens), ""))
+        for fut in self._rpc.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(message))
+
     # ------------------------------------------------------------------ rpc
     async def rpc(self, req: RpcReq, timeout: float = 60.0) -> Any:
+        if self.dead:
+            raise RuntimeError(f"the runtime is down: {self.dead}")
         req.call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._rpc[req.call_id] = fut
@@ -293,6 +310,8 @@ class TokenizerManager:
     async def generate_request(self, *, return_text_in_logprobs: bool = False, **kw) -> AsyncIterator:
         """Yields incremental chunks when streaming, else one final result (a dict, or a list
         for a batch or n > 1). Closing the iterator early aborts what is still running."""
+        if self.dead:
+            raise RuntimeError(f"the runtime is down: {self.dead}")
         rids = _assign_rids(kw)
         pending = _Tokenizing(rids)
         self.tokenizing.append(pending)

@@ -158,3 +158,21 @@ def test_storm(engine, tiny_llama_dir):
     assert info["cancel_latency_s"]["count"] > 0
     assert info["num_retractions"] > 0, "the pool was meant to be small enough to force retractions"
     _conserved(engine)
+
+
+def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny_llama_dir):
+    import os
+    import signal
+    eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=512)
+    try:
+        stream = eng.generate(input_ids=_prompt(9, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+                              stream=True)
+        next(stream)
+        os.kill(eng.procs.procs["scheduler"].pid, signal.SIGKILL)
+        chunks = list(stream)
+        fr = chunks[-1]["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort" and fr["status_code"] == 500 and "scheduler" in fr["message"]
+        with pytest.raises(RuntimeError, match="down"):
+            eng.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+    finally:
+        eng.shutdown()
