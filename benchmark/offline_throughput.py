@@ -1,16 +1,20 @@
 """Offline throughput: N chat prompts, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--compare-hf]
+    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--peer hf] [--out F.json]
 
-With --compare-hf, Hugging Face transformers generates the same prompts (same token ids,
-batched, greedy) in the same run, and the ratio of output tokens/s is reported.
+With --peer hf (alias: --compare-hf), Hugging Face transformers generates the same prompts
+(same token ids, batched, greedy, float32) in the same run, and the ratio of output
+tokens/s is reported.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, hf_generate, load_hf  # noqa: E402
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
           "photosynthesis", "machine learning", "the water cycle", "plate tectonics",
@@ -55,34 +59,25 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict) 
 
 
 def run_hf(prompts: list[list[int]], output_len: int, model_path: str, batch_size: int) -> dict:
-    import os
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    model, load_s = load_hf(model_path)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
-                                                 gguf_file=os.path.basename(model_path),
-                                                 torch_dtype=torch.float32)
-    model.eval()
-    load_s = time.perf_counter() - t0
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    outputs = []
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for s in range(0, len(prompts), batch_size):
-            chunk = prompts[s:s + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, pad_token_id=pad)
-            outputs.extend(g[width:].tolist() for g in gen)
+    outputs = hf_generate(model, prompts, output_len, batch_size)
     wall = time.perf_counter() - t0
     out_tokens = sum(len(o) for o in outputs)
-    return {"engine": "hf-transformers", "load_s": round(load_s, 2), "wall_s": round(wall, 3),
+    return {"engine": "hf-transformers", "load_s": load_s, "wall_s": round(wall, 3),
             "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
             "dtype": "float32", "batch_size": batch_size, "outputs": outputs}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Greedy tokens two engines agree on before the first divergence (bf16 vs float32
+    numerics split on near-ties, after which the continuations differ)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def main() -> None:
@@ -91,7 +86,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--peer", choices=["hf"], action="append", default=[],
+                    help="also run this engine on the same token ids (repeatable)")
+    ap.add_argument("--compare-hf", action="store_true", help="alias of --peer hf")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     args = ap.parse_args()
 
@@ -105,15 +103,16 @@ def main() -> None:
     ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
-    if args.compare_hf:
+    if args.compare_hf or "hf" in args.peer:
         hf = run_hf(prompts, args.output_len, model_path, args.hf_batch_size)
         hf_outputs = hf.pop("outputs")
         result["hf"] = hf
         result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / hf["output_tok_per_s"], 2)
         same = sum(a == b for a, b in zip(our_outputs, hf_outputs))
         result["identical_outputs"] = f"{same}/{len(prompts)}"
-    json.dump(result, sys.stdout, indent=2)
-    print()
+        result["mean_common_prefix_tokens"] = round(sum(common_prefix(a, b) for a, b in zip(our_outputs, hf_outputs))
+                                                    / len(prompts), 1)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

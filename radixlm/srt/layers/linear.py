@@ -2,12 +2,45 @@
 
 torch.nn.Linear runs kaiming init on construction (~1 s for a 135M model on CPU) only
 for the loader to overwrite it; these allocate with torch.empty instead.
+
+On CPUs with AMX/AVX512-bf16, a bfloat16 Linear also keeps a copy of its weight in
+oneDNN's blocked layout ("prepacked") and multiplies through it: F.linear re-blocks the
+weight on every call, and measured here (2 cores, SmolLM2-135M shapes) the prepacked
+matmul is 1.3-1.5x faster at every batch size from 1 to 128 with bit-identical output.
+The packed copy is derived state: it is built lazily on the first forward and dropped
+by `invalidate_packed()` whenever the weight may have been written (the model calls it
+for every parameter the loader or the weight updater addresses by name).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def mkldnn_pack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether prepacked oneDNN linear is usable (and worth it) for this dtype/device."""
+    if os.environ.get("RADIXLM_MKLDNN_PACK", "1") == "0":
+        return False
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    from radixlm.srt.weights.loader import cpu_has_fast_bf16
+    return cpu_has_fast_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN-blocked copy of a [out, in] weight. Created outside inference mode so that
+    the packed tensor is a normal tensor usable from any grad mode."""
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().clone(), 32)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Module):
@@ -19,8 +52,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
+        self._packed: torch.Tensor | None = None
+        self._pack_ok: bool | None = None  # decided on the first forward (device/dtype known)
+
+    def invalidate_packed(self) -> None:
+        self._packed = None
+        self._pack_ok = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._pack_ok is None:
+            self._pack_ok = mkldnn_pack_supported(self.weight.dtype, self.weight.device)
+        if self._pack_ok and x.dtype == self.weight.dtype:
+            if self._packed is None:
+                self._packed = pack_weight(self.weight)
+            return packed_linear(x, self._packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -21,10 +21,9 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        if x.dtype == torch.float32:
-            # One fused kernel; identical maths to HF in float32.
-            out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
-        else:
-            # HF casts back to the model dtype *before* multiplying by the weight.
-            out = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype) * self.weight
+        # One kernel in every dtype. In float32 this is HF's maths exactly. In bf16/fp16 torch
+        # accumulates in float32 and rounds once at the end, where HF rounds the normalised
+        # value before the weight multiply: at most one bf16 ulp apart, and 4 fewer ops
+        # (two dtype casts, a mul, their allocations) per norm, 60 norms per forward.
+        out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return out if residual is None else (out, residual)

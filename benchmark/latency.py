@@ -1,0 +1,101 @@
+"""Single-stream latency: one request, a 42-token chat prompt, 128 new tokens (greedy, EOS
+ignored); prints one JSON object.
+
+    python benchmark/latency.py --prompt-len 42 --output-len 128 [--repeats 5] [--peer hf]
+
+TTFT is the wall time of the same request with max_new_tokens=1 (prefill + first token +
+engine round trip, radix cache flushed before each run); decode ms/token is
+(full run - TTFT) / (output_len - 1). Medians over --repeats runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, load_hf  # noqa: E402
+
+
+def make_prompt(tokenizer, n: int) -> list[int]:
+    text = "Write a short essay about the history of Rome, its emperors, its roads and its fall."
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    while len(ids) < n:
+        ids = ids[:1] + ids  # pad at the front with the first id; only the length matters
+    return ids[-n:]
+
+
+def summarize(ttft: list[float], full: list[float], output_len: int) -> dict:
+    t, f = statistics.median(ttft), statistics.median(full)
+    return {"ttft_s": round(t, 4), "full_s": round(f, 3), "decode_ms_per_token": round(1000 * (f - t) / (output_len - 1), 2),
+            "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
+
+
+def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: str, dtype: str) -> dict:
+    from radixlm import Engine
+    engine = Engine(model_path=model_path, dtype=dtype)
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8})  # warm-up
+    ttft, full = [], []
+    for _ in range(repeats):
+        for n, acc in ((1, ttft), (output_len, full)):
+            engine.flush_cache()
+            t0 = time.perf_counter()
+            out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": n, "temperature": 0.0,
+                                                                     "ignore_eos": True})
+            acc.append(time.perf_counter() - t0)
+            assert len(out["output_ids"]) == n
+    info = engine.get_server_info()
+    engine.shutdown()
+    return {"engine": "radixlm", "dtype": info["dtype"], **summarize(ttft, full, output_len)}
+
+
+def run_hf(prompt: list[int], output_len: int, repeats: int, model_path: str) -> dict:
+    import torch
+    model, _ = load_hf(model_path)
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad)
+        return time.perf_counter() - t0
+
+    gen(8)
+    ttft, full = [], []
+    for _ in range(repeats):
+        ttft.append(gen(1))
+        full.append(gen(output_len))
+    return {"engine": "hf-transformers", "dtype": "float32", **summarize(ttft, full, output_len)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=42)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--peer", choices=["hf"], action="append", default=[])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
+    model_path = resolve_model_path(args.model_path)
+    prompt = make_prompt(load_tokenizer(model_path), args.prompt_len)
+    result = {"workload": {"prompt_tokens": len(prompt), "output_len": args.output_len, "repeats": args.repeats,
+                           "model": model_path},
+              "radixlm": run_radixlm(prompt, args.output_len, args.repeats, model_path, args.dtype)}
+    if "hf" in args.peer:
+        result["hf"] = run_hf(prompt, args.output_len, args.repeats, model_path)
+        result["decode_speedup_vs_hf"] = round(result["hf"]["decode_ms_per_token"]
+                                               / result["radixlm"]["decode_ms_per_token"], 2)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Prefix sharing: N requests that share a long prefix (a 609-token system prompt), each with
+its own short question, greedy, EOS ignored; prints one JSON object.
+
+    python benchmark/prefix_sharing.py --num-requests 32 --prefix-len 609 --output-len 32 [--peer hf]
+
+radixlm computes the prefix once (radix cache) and its decode attends to the shared KV
+once per step. The HF peer has no prefix cache: it prefills every full prompt (batched).
+Throughput is output tokens over the wall time of the whole batch, prefill included.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import emit, hf_generate, load_hf  # noqa: E402
+from offline_throughput import TOPICS, common_prefix  # noqa: E402
+
+SYSTEM = ("You are a careful assistant for a public library. Answer questions about history, "
+          "science and geography in plain language, cite well-known facts only, and keep every answer "
+          "short. ")
+
+
+def make_prompts(tokenizer, n: int, prefix_len: int) -> tuple[list[list[int]], int]:
+    """n prompts whose first prefix_len token ids are identical."""
+    text = SYSTEM
+    while len(tokenizer.encode(text)) < prefix_len + 16:
+        text += " ".join(f"Topic {i}: {t}." for i, t in enumerate(TOPICS)) + " "
+    prefix = tokenizer.encode(text)[:prefix_len]
+    out = []
+    for i in range(n):
+        q = tokenizer.encode(f"\nQuestion {i}: tell me about {TOPICS[i % len(TOPICS)]}.\nAnswer:")
+        out.append(prefix + q)
+    return out, len(prefix)
+
+
+def run_radixlm(prompts: list[list[int]], output_len: int, model_path: str, dtype: str) -> dict:
+    from radixlm import Engine
+    t0 = time.perf_counter()
+    engine = Engine(model_path=model_path, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up
+    engine.flush_cache()  # the measured run starts with a cold cache: the prefix is computed once in it
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    wall = time.perf_counter() - t0
+    info = engine.get_server_info()
+    engine.shutdown()
+    n = sum(len(o["output_ids"]) for o in outs)
+    cached = [o.get("meta_info", {}).get("cached_tokens") for o in outs]
+    return {"engine": "radixlm", "load_s": round(load_s, 2), "wall_s": round(wall, 3), "output_tokens": n,
+            "output_tok_per_s": round(n / wall, 1), "dtype": info["dtype"],
+            "cached_tokens_total": sum(c for c in cached if c) if any(c is not None for c in cached) else None,
+            "outputs": [o["output_ids"] for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prefix-len", type=int, default=609)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--peer", choices=["hf"], action="append", default=[])
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
+    model_path = resolve_model_path(args.model_path)
+    prompts, plen = make_prompts(load_tokenizer(model_path), args.num_requests, args.prefix_len)
+    result = {"workload": {"num_requests": len(prompts), "shared_prefix_tokens": plen,
+                           "input_tokens": sum(map(len, prompts)), "output_len": args.output_len,
+                           "model": model_path}}
+    ours = run_radixlm(prompts, args.output_len, model_path, args.dtype)
+    our_outputs = ours.pop("outputs")
+    result["radixlm"] = ours
+    if "hf" in args.peer:
+        model, load_s = load_hf(model_path)
+        t0 = time.perf_counter()
+        hf_out = hf_generate(model, prompts, args.output_len, args.hf_batch_size)
+        wall = time.perf_counter() - t0
+        n = sum(map(len, hf_out))
+        result["hf"] = {"engine": "hf-transformers", "load_s": load_s, "wall_s": round(wall, 3), "output_tokens": n,
+                        "output_tok_per_s": round(n / wall, 1), "dtype": "float32",
+                        "batch_size": args.hf_batch_size, "prefix_cache": False}
+        result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / result["hf"]["output_tok_per_s"], 2)
+        result["mean_common_prefix_tokens"] = round(
+            sum(common_prefix(a, b) for a, b in zip(our_outputs, hf_out)) / len(prompts), 1)
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

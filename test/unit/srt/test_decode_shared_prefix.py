@@ -1,0 +1,94 @@
+"""Decode attention with a KV prefix shared by the whole batch (the dense-prefix path)
+against the per-request path and a float64 reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
+from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+
+H, HKV, D = 6, 2, 16
+
+
+def _reference(q, kb, vb, table, lens):
+    g = H // HKV
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        k = kb[table[i, :n]].double().repeat_interleave(g, dim=1)
+        v = vb[table[i, :n]].double().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,shd->hs", q[i].double(), k) * D ** -0.5
+        out[i] = torch.einsum("hs,shd->hd", s.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("suffix", [[1, 1, 1], [3, 1, 7]])
+def test_shared_prefix_decode_matches_reference(dtype, tol, suffix):
+    gen = torch.Generator().manual_seed(0)
+    shared, cap = 80, 400
+    pool = MHATokenToKVPool(cap, 1, HKV, D, dtype, "cpu")
+    pool.k_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen).to(dtype)
+    pool.v_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen).to(dtype)
+    perm = torch.randperm(cap, generator=gen) + 1
+    table = torch.zeros(4, 128, dtype=torch.int64)
+    table[:3, :shared] = perm[:shared]  # the same slots: a radix-cached prefix
+    nxt = shared
+    for i, s in enumerate(suffix):
+        table[i, shared:shared + s] = perm[nxt:nxt + s]
+        nxt += s
+    lens = [shared + s for s in suffix]
+    q = torch.randn(3, H, D, generator=gen).to(dtype)
+    backend = TorchNativeAttention(pool, H, HKV, D)
+    loc = torch.tensor([int(table[i, n - 1]) for i, n in enumerate(lens)])
+    fb = ForwardBatch.build(ForwardMode.DECODE, [0, 0, 0], loc, [0, 1, 2], [n - 1 for n in lens], [1, 1, 1],
+                            table)
+    backend.init_forward_metadata(fb)
+    assert fb.attn_metadata.shared_index is not None and fb.attn_metadata.shared_index.numel() >= shared
+    k_new, v_new = pool.k_buffer[0][loc].clone(), pool.v_buffer[0][loc].clone()
+    out = backend.forward(q, k_new, v_new, 0, fb, D ** -0.5)
+    ref = _reference(q, pool.k_buffer[0], pool.v_buffer[0], table, lens)
+    assert (out.double() - ref).abs().max().item() < tol
+    # The per-request path agrees as well.
+    backend.min_shared_prefix = 1 << 30
+    backend.init_forward_metadata(fb)
+    assert fb.attn_metadata.shared_index is None
+    plain = backend.forward(q, k_new, v_new, 0, fb, D ** -0.5)
+    assert (plain.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_extend_over_shared_prefix_matches_reference(dtype, tol):
+    """Three requests extend (1, 4 and 9 new tokens) a cached 80-slot common prefix."""
+    gen = torch.Generator().manual_seed(1)
+    shared, cap, ext = 80, 400, [1, 4, 9]
+    pool = MHATokenToKVPool(cap, 1, HKV, D, dtype, "cpu")
+    pool.k_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen).to(dtype)
+    pool.v_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen).to(dtype)
+    perm = torch.randperm(cap, generator=gen) + 1
+    table = torch.zeros(4, 128, dtype=torch.int64)
+    table[:3, :shared] = perm[:shared]
+    prefix = [shared, shared + 2, shared]  # request 1 also has 2 cached tokens of its own
+    table[1, shared:shared + 2] = perm[shared:shared + 2]
+    nxt, locs = shared + 2, []
+    for i, e in enumerate(ext):
+        table[i, prefix[i]:prefix[i] + e] = perm[nxt:nxt + e]
+        locs.append(perm[nxt:nxt + e])
+        nxt += e
+    loc = torch.cat(locs)
+    n = len(loc)
+    q = torch.randn(n, H, D, generator=gen).to(dtype)
+    backend = TorchNativeAttention(pool, H, HKV, D)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, loc, [0, 1, 2], prefix, ext, table)
+    backend.init_forward_metadata(fb)
+    assert getattr(fb.attn_metadata, "shared_index", None) is not None
+    out = backend.forward(q, pool.k_buffer[0][loc].clone(), pool.v_buffer[0][loc].clone(), 0, fb, D ** -0.5)
+    # Reference: token j of request i sees keys [0, prefix_i + j].
+    rows, lens = [], []
+    for i, e in enumerate(ext):
+        for j in range(e):
+            rows.append(table[i])
+            lens.append(prefix[i] + j + 1)
+    ref = _reference(q, pool.k_buffer[0], pool.v_buffer[0], torch.stack(rows), lens)
+    assert (out.double() - ref).abs().max().item() < tol
