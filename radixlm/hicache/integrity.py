@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.radix_cache.integrity import (_check_locks, _check_request_prefixes, _request_owners,
-                                           check_conservation, check_request_lengths, check_slot_ownership)
+                                           assert_counters, check_conservation, check_request_lengths,
+                                           check_slot_ownership)
 
 if TYPE_CHECKING:
     from radixlm.core import Req
@@ -67,13 +68,7 @@ def _check_tiers(cache: "HiRadixCache") -> None:
             evictable += len(node.key)
             if not any(c.value is not None for c in node.children.values()):
                 leaves.add(node)
-    assert evictable == cache.evictable_size(), (
-        f"evictable_size counter {cache.evictable_size()} != recount {evictable}")
-    assert protected == cache.protected_size(), (
-        f"protected_size counter {cache.protected_size()} != recount {protected}")
-    assert leaves == cache._evictable_leaves, (
-        f"device-leaf set out of date: missing {list(leaves - cache._evictable_leaves)[:4]}, "
-        f"stale {list(cache._evictable_leaves - leaves)[:4]}")
+    assert_counters(cache, evictable, protected, leaves, "device-leaf set")
 
 
 def _check_copies(cache: "HiRadixCache") -> None:

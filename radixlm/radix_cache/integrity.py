@@ -104,12 +104,17 @@ def _check_tree_shape(cache: "RadixCache") -> None:
             evictable += len(node.key)
             if not node.children:
                 leaves.add(node)
+    assert_counters(cache, evictable, protected, leaves, "evictable-leaf set")
+
+
+def assert_counters(cache, evictable: int, protected: int, leaves: set, leaf_set_name: str) -> None:
+    """The tree's incremental counters and evictable-leaf set equal a fresh recount."""
     assert evictable == cache.evictable_size(), (
         f"evictable_size counter {cache.evictable_size()} != recount {evictable}")
     assert protected == cache.protected_size(), (
         f"protected_size counter {cache.protected_size()} != recount {protected}")
     assert leaves == cache._evictable_leaves, (
-        f"evictable-leaf set out of date: missing {list(leaves - cache._evictable_leaves)[:4]}, "
+        f"{leaf_set_name} out of date: missing {list(leaves - cache._evictable_leaves)[:4]}, "
         f"stale {list(cache._evictable_leaves - leaves)[:4]}")
 
 
