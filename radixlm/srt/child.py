@@ -2,8 +2,12 @@
 (kind, ServerArgs, PortArgs) pickled on stdin."""
 from __future__ import annotations
 
+import logging
+import os
 import pickle
+import signal
 import sys
+import traceback
 
 
 class ReadyReporter:
@@ -17,14 +21,41 @@ class ReadyReporter:
         self._ctx = zmq.Context()
         self._sender = Sender(self._ctx, addr)
 
+    def error(self, exc: BaseException) -> None:
+        """Report a start-up failure (the launcher raises it with this traceback)."""
+        self.send({"status": "error", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+
     def send(self, msg: dict) -> None:
         self._sender.send({**msg, "kind": self.kind})
         self._sender.sock.close(linger=1000)
         self._ctx.term()
 
 
+def die_with_parent(ports) -> None:
+    """Exit, removing the IPC dir, when the parent dies (no orphans, no stale IPC files):
+    Linux sends SIGTERM to this process when its parent goes away."""
+    def on_term(signum, frame) -> None:
+        ports.cleanup()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        on_term(signal.SIGTERM, None)
+
+
 def main() -> None:
     kind, args, ports = pickle.loads(sys.stdin.buffer.read())
+    die_with_parent(ports)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s [{kind}] %(levelname)s %(name)s: %(message)s")
     reporter = ReadyReporter(kind, ports.ready)
     if kind == "scheduler":
         from radixlm.srt.scheduler_process import run_scheduler_process

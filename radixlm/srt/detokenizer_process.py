@@ -6,7 +6,6 @@ one inbound queue and sees every message in the scheduler's order.
 from __future__ import annotations
 
 import logging
-import signal
 import traceback
 
 from radixlm.config import ServerArgs
@@ -40,12 +39,7 @@ class DetokenizerManager:
 
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:
-    from radixlm.srt.scheduler_process import die_with_parent
-
-    die_with_parent(ports)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s [detokenizer] %(levelname)s %(name)s: %(message)s")
+    """Set-up common to children (parent-death handling, logging) is done by child.py."""
     import zmq
     ctx = zmq.Context()
     try:
@@ -55,8 +49,7 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:
         manager = DetokenizerManager(load_tokenizer(args.tokenizer_path or resolve_model_path(args.model_path)))
         ready.send({"status": "ready"})
     except Exception as e:
-        ready.send({"status": "error", "error": f"{type(e).__name__}: {e}",
-                         "traceback": traceback.format_exc()})
+        ready.error(e)
         return
     try:
         while True:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import traceback
 
 from radixlm.config import ServerArgs
@@ -47,30 +46,8 @@ def build_scheduler(args: ServerArgs, send_output):
     return scheduler, runner
 
 
-def die_with_parent(ports: PortArgs) -> None:
-    """Exit, removing the IPC dir, when the parent dies (no orphans, no stale IPC files):
-    Linux sends SIGTERM to this process when its parent goes away."""
-    def on_term(signum, frame) -> None:
-        ports.cleanup()
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        on_term(signal.SIGTERM, None)
-
-
 def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready) -> None:
-    die_with_parent(ports)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s [scheduler] %(levelname)s %(name)s: %(message)s")
+    """Set-up common to children (parent-death handling, logging) is done by child.py."""
     import zmq
     ctx = zmq.Context()
     try:
@@ -78,13 +55,12 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready) -> None:
         to_detok = Sender(ctx, ports.detokenizer_input)
         scheduler, runner = build_scheduler(args, to_detok.send)
         ready.send({"status": "ready", "pid": os.getpid(),
-                         "model_path": runner.model_path, "vocab_size": runner.vocab_size,
-                         "max_context_len": runner.max_context_len,
-                         "max_total_tokens": runner.sizes.max_total_tokens,
-                         "eos_token_ids": list(runner.eos_token_ids)})
+                    "model_path": runner.model_path, "vocab_size": runner.vocab_size,
+                    "max_context_len": runner.max_context_len,
+                    "max_total_tokens": runner.sizes.max_total_tokens,
+                    "eos_token_ids": list(runner.eos_token_ids)})
     except Exception as e:  # report, don't hang the launcher
-        ready.send({"status": "error", "error": f"{type(e).__name__}: {e}",
-                         "traceback": traceback.format_exc()})
+        ready.error(e)
         return
     try:
         event_loop(scheduler, receiver, to_detok)
