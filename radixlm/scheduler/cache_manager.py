@@ -110,10 +110,15 @@ class CacheManager:
         """Allocate n KV slots, evicting unlocked cache leaves when the free list is short."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
+        self.make_room(n)
+        return self.allocator.alloc(n)
+
+    def make_room(self, n: int) -> bool:
+        """Evict unlocked cache leaves until n slots are free; whether that succeeded."""
         short = n - self.available()
         if short > 0:
             self.evicted_tokens_total += self.tree.evict(short)
-        return self.allocator.alloc(n)
+        return self.available() >= n
 
     def start_request(self, req: Req, match: PrefixMatch) -> bool:
         """Bind `req` to a request slot with the matched prefix already locked by the caller."""

@@ -514,11 +514,7 @@ class Scheduler:
 
     # ================================================================ retraction
     def _decode_fits(self, num_reqs: int, steps: int) -> bool:
-        need = num_reqs * steps * self.args.page_size
-        short = need - self.cache.available()
-        if short > 0:
-            self.cache.evicted_tokens_total += self.cache.tree.evict(short)
-        return self.cache.available() >= need
+        return self.cache.make_room(num_reqs * steps * self.args.page_size)
 
     def _ensure_decode_memory(self) -> None:
         if self._decode_fits(len(self.running), 1):
