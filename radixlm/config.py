@@ -79,7 +79,7 @@ class ServerArgs:
                                      default="write_through")
     # ---- end HiCache ----
     attention_backend: str = _opt("attention implementation",
-                                  choices=("auto", "torch_native", "triton", "flashinfer"), default="auto")
+                                  choices=("auto", "cpu", "torch_native", "triton", "flashinfer"), default="auto")
     retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
                                   choices=("length", "priority"), default="length")
     max_queued_requests: int | None = _opt("reject new requests with 503 beyond this many waiting",

@@ -15,7 +15,7 @@ import time
 import torch
 
 
-def build(dtype_name: str, batch: int, ctx: int, shared: int = 0):
+def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str = "torch_native"):
     from radixlm.srt.model_runner.attention.base import create_attention_backend
     from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
     from radixlm.srt.models.registry import build_model
@@ -31,7 +31,7 @@ def build(dtype_name: str, batch: int, ctx: int, shared: int = 0):
     pool = MHATokenToKVPool(total, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     for b in (*pool.k_buffer, *pool.v_buffer):
         b[1:].normal_()
-    attn = create_attention_backend("torch_native", pool, cfg.num_attention_heads,
+    attn = create_attention_backend(backend, pool, cfg.num_attention_heads,
                                     cfg.num_key_value_heads, cfg.head_dim)
     stride = ctx + 64
     req_to_token = torch.zeros(batch, stride, dtype=torch.int64)
@@ -62,9 +62,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--shared", type=int, default=0, help="KV slots shared by all requests")
+    ap.add_argument("--backend", default="cpu", help="attention backend (cpu, torch_native, ...)")
     ap.add_argument("--max-group-keys", type=int, default=None, help="override the backend's cap")
     args = ap.parse_args()
-    model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared)
+    model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared, args.backend)
     if args.max_group_keys is not None:
         attn.max_group_keys = args.max_group_keys
     lens = [args.ctx - (i % 7) * 3 for i in range(args.batch)]  # slightly ragged, like real batches
@@ -77,7 +78,7 @@ def main() -> None:
             step(model, attn, r2t, lens)
             times.append(time.perf_counter() - t0)
         times.sort()
-        res = {"batch": args.batch, "ctx": args.ctx, "shared": args.shared, "dtype": str(dtype).replace("torch.", ""),
+        res = {"backend": args.backend, "batch": args.batch, "ctx": args.ctx, "shared": args.shared, "dtype": str(dtype).replace("torch.", ""),
                "threads": torch.get_num_threads(), "median_ms": round(1000 * times[len(times) // 2], 2),
                "min_ms": round(1000 * times[0], 2)}
         print(json.dumps(res))

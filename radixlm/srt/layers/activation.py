@@ -5,11 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.layers.linear import Linear
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2*I] (gate then up) -> silu(gate) * up, [..., I]."""
+    """[..., 2*I] (gate then up) -> silu(gate) * up, [..., I]. On CPU one native pass
+    (rounded once, where torch rounds silu(gate) before the multiply)."""
+    if gate_up.dim() == 2 and gate_up.device.type == "cpu":
+        out = cpu_ops.silu_mul(gate_up)
+        if out is not None:
+            return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

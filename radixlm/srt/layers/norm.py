@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu import ops as cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
@@ -13,11 +15,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.hidden_size = hidden_size
+        self._native: bool | None = None  # native CPU kernel usable (decided on first call)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With `residual`, computes norm(x + residual) and also returns the new residual
-        (x + residual): fusing the add saves one pass over the activations per layer."""
+        (x + residual): fusing the add saves one pass over the activations per layer.
+        The native CPU kernel updates `residual` in place (the caller's residual stream is
+        never shared) and does add + norm + scale in one pass (torch's bf16 rms_norm is
+        ~100 us for a [32, 576] batch, 5 ops with the add)."""
+        if self._native is None:
+            self._native = cpu_ops.supports(self.weight)
+        if self._native and x.dim() == 2 and x.dtype == self.weight.dtype:
+            out = cpu_ops.add_rmsnorm(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from radixlm.kernels.cpu import ops as cpu_ops
 
 
 def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -119,3 +123,37 @@ def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch
     out = x * cos_full
     rolled = x.roll(x.shape[-1] // 2, dims=-1)
     return out.add_(rolled.mul_(sin_signed))
+
+
+@dataclass
+class BatchRope:
+    """The rotary tables of one forward, built once and used by every layer.
+
+    On CPU with the native kernels: float32 half tables indexed by position inside the
+    kernel (rotation in place, one pass, no per-token tables); otherwise the gathered
+    full-width tables of apply_rotary_full."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    native: bool
+
+    @staticmethod
+    def build(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
+              max_seq_len: int | None) -> "BatchRope":
+        if positions.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_ops.available():
+            if max_seq_len is None:
+                max_seq_len = int(positions.max()) + 1 if positions.numel() else 0
+            cos, sin = rotary._cos_sin(positions.device, torch.float32, max_seq_len)
+            return BatchRope(positions.contiguous(), cos, sin, True)
+        cos, sin = full_width_tables(*rotary.cos_sin(positions, dtype, max_seq_len))
+        return BatchRope(positions, cos, sin, False)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] -> rotated x (in place when native)."""
+        if self.native and cpu_ops.rope_inplace(x, self.positions, self.cos, self.sin):
+            return x
+        if self.native:  # layout the kernel does not take: torch tables on the fly
+            cos, sin = full_width_tables(self.cos.index_select(0, self.positions).unsqueeze(1).to(x.dtype),
+                                         self.sin.index_select(0, self.positions).unsqueeze(1).to(x.dtype))
+            return apply_rotary_full(x, cos, sin)
+        return apply_rotary_full(x, self.cos, self.sin)

@@ -79,7 +79,9 @@ def default_attention_backend(device: str) -> str:
         if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
                 "radixlm.srt.model_runner.attention.triton") is not None:
             return "triton"
-    return "torch_native"
+        return "torch_native"
+    from radixlm.kernels.cpu import ops as cpu_ops
+    return "cpu" if device == "cpu" and cpu_ops.available() else "torch_native"
 
 
 class ModelRunner:

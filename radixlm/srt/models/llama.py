@@ -15,7 +15,7 @@ from radixlm.config import ModelConfig
 from radixlm.srt.layers.activation import GatedMLP
 from radixlm.srt.layers.linear import Embedding, Linear, mkldnn_pack_supported, pack_weight, packed_linear
 from radixlm.srt.layers.norm import RMSNorm
-from radixlm.srt.layers.rotary import RotaryEmbedding, apply_rotary_full, full_width_tables
+from radixlm.srt.layers.rotary import BatchRope, RotaryEmbedding
 from radixlm.srt.model_runner.attention.base import AttentionBackend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch
 
@@ -36,12 +36,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+    def forward(self, x: torch.Tensor, rope: BatchRope, fb: ForwardBatch,
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Rotate q and k together: they are adjacent head ranges of the fused output.
-        qk = apply_rotary_full(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
+        qk = rope.apply(qkv[:, :self.num_heads + self.num_kv_heads])
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = attn.forward(q, k, v, self.layer_id, fb, self.scale)
@@ -56,9 +56,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, fb: ForwardBatch, attn: AttentionBackend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: BatchRope,
+                fb: ForwardBatch, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         # Pre-norm residual block; the residual add is fused into the next norm. Submodules
         # are called through .forward: nn.Module.__call__'s hook handling costs ~3 us per
         # call, ~10 calls per layer per step, and no hooks are ever registered here.
@@ -66,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(hidden, cos, sin, fb, attn)
+        hidden = self.self_attn.forward(hidden, rope, fb, attn)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.mlp.forward(hidden), residual
 
@@ -104,10 +103,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens.forward(fb.input_ids)
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.
-        cos, sin = full_width_tables(*self.rotary.cos_sin(fb.positions, hidden.dtype, max_len))
+        rope = BatchRope.build(self.rotary, fb.positions, hidden.dtype, max_len)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden, residual = layer.forward(hidden, residual, cos, sin, fb, attn)
+            hidden, residual = layer.forward(hidden, residual, rope, fb, attn)
         if residual is None:  # zero layers
             return self.model.norm.forward(hidden)
         hidden, _ = self.model.norm.forward(hidden, residual)

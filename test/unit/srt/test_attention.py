@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, create_attention_backend
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
@@ -27,7 +28,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos
 class _World:
     """A KV pool whose per-request KV history is also kept in plain lists for reference."""
 
-    def __init__(self, dtype=torch.float32) -> None:
+    def __init__(self, dtype=torch.float32, backend: str = "torch_native") -> None:
         self.pool = MHATokenToKVPool(CAP, 1, HKV, D, dtype, "cpu")
         # Never-written slots hold garbage: NaN must not leak through masked padding.
         self.pool.k_buffer[0][1:] = float("nan")
@@ -36,7 +37,7 @@ class _World:
         self.free = torch.randperm(CAP)[:CAP] + 1  # slots in scattered order
         self.used = 0
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.backend = TorchNativeAttention(self.pool, H, HKV, D)
+        self.backend = create_attention_backend(backend, self.pool, H, HKV, D)
         self.gen = torch.Generator().manual_seed(0)
 
     def step(self, mode, rows: list[int], ext: list[int], dtype=torch.float32):
@@ -65,8 +66,13 @@ def test_registered():
     assert ATTENTION_BACKENDS.get("torch_native") is TorchNativeAttention
 
 
-def test_extend_with_and_without_prefix_then_decode():
-    w = _World()
+BACKENDS = ["torch_native", pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_ops.available(), reason="native CPU kernels could not be built"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extend_with_and_without_prefix_then_decode(backend):
+    w = _World(backend=backend)
     out, ref, loc, k = w.step(ForwardMode.EXTEND, [0, 1, 2], [7, 1, 20])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(w.pool.k_buffer[0][loc], k)
@@ -78,8 +84,9 @@ def test_extend_with_and_without_prefix_then_decode():
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_single_request_and_long_ragged_batch():
-    w = _World()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_single_request_and_long_ragged_batch(backend):
+    w = _World(backend=backend)
     w.step(ForwardMode.EXTEND, [4], [150])
     out, ref, _, _ = w.step(ForwardMode.DECODE, [4], [1])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -88,13 +95,32 @@ def test_decode_single_request_and_long_ragged_batch():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_pool():
-    w = _World(torch.bfloat16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_pool(backend):
+    w = _World(torch.bfloat16, backend)
     out, ref, _, _ = w.step(ForwardMode.EXTEND, [0, 1], [9, 4], dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
     out, ref, _, _ = w.step(ForwardMode.DECODE, [0, 1], [1, 1], dtype=torch.bfloat16)
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_a_shared_radix_prefix(backend, dtype):
+    """Requests whose first 100 slots are the same (a radix-shared prefix): the cascade
+    path (prefix by GEMM, suffixes separately, merged) equals plain attention."""
+    w = _World(dtype, backend)
+    w.step(ForwardMode.EXTEND, [0], [100], dtype=dtype)
+    for r in (1, 2, 3):  # later requests reuse row 0's prefix slots, as a radix hit does
+        w.req_to_token[r, :100] = w.req_to_token[0, :100]
+        w.kv[r] = (w.kv[0][0].clone(), w.kv[0][1].clone())
+    w.step(ForwardMode.EXTEND, [1, 2, 3], [1, 9, 30], dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for _ in range(2):
+        out, ref, _, _ = w.step(ForwardMode.DECODE, [3, 0, 2, 1], [1] * 4, dtype=dtype)
+        assert w.last_fb.attn_metadata.shared_index.numel() == 100
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 def test_kv_pool_layout_and_size():

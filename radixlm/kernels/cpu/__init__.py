@@ -1,0 +1,1 @@
+"""Native CPU kernels (C++ built on first use, loaded with ctypes); see build.py and ops.py."""

@@ -1,0 +1,115 @@
+"""Compile cpu_ops.cpp with the system C++ compiler on first use and load it with ctypes.
+
+A plain shared library (no torch headers, no Python C API) compiles in about a second,
+so no build step is needed at install time and a machine without a compiler still runs
+(torch ops take over, with one warning). The library is built for the CPU it runs on
+(-march=native) and cached under ~/.cache/radixlm/kernels keyed by a hash of the source,
+the flags and the CPU's flags, so a different machine or a changed source rebuilds.
+Concurrent first uses (several test processes) each build to a private file and rename
+it into place atomically.
+
+RADIXLM_CPU_KERNELS=0 turns the library off (torch ops everywhere).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+_PTR = ctypes.c_void_p
+_SIGNATURES = {
+    "radixlm_decode_attention": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
+                                 _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
+    "radixlm_rope_inplace": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _PTR, _INT],
+    "radixlm_add_rmsnorm": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, ctypes.c_float, _INT],
+    "radixlm_silu_mul": [_INT, _PTR, _PTR, _I64, _INT, _INT],
+    "radixlm_store_kv": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+    return Path(base) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _library_path(cxx: str) -> Path:
+    from radixlm.srt.weights.loader import cpu_flags
+
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join([cxx, *FLAGS, *sorted(cpu_flags())]).encode())
+    return cache_dir() / f"cpu_ops-{h.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The loaded library, or None when disabled or it cannot be built (logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            _lib = _load()
+        except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch ops"
+            logger.warning("native CPU kernels unavailable, using torch ops: %s", e)
+            _lib = None
+        _tried = True
+        return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("RADIXLM_CPU_KERNELS", "1") == "0":
+        return None
+    import torch  # noqa: F401 - torch's libgomp must be loaded first so the library shares it
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
+    path = _library_path(cxx)
+    if not path.exists():
+        _build(cxx, path)
+    lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during each call
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = _INT
+    return lib

@@ -1,0 +1,133 @@
+"""torch-facing wrappers of the native CPU kernels (cpu_ops.cpp), with the checks the
+C side does not do: dtype, device, contiguity of the innermost dimension.
+
+Every function returns None (or False) when the native library is unavailable or the
+inputs are outside what it handles; callers then run their torch implementation, which is
+also the reference the tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+
+from radixlm.kernels.cpu.build import load
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether tensors like `t` (dtype/device) can use the native kernels."""
+    return t.device.type == "cpu" and t.dtype in _DTYPE_CODE and available()
+
+
+DECODE_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims cpu_ops.cpp instantiates
+MAX_GROUP = 16  # query heads per KV head
+
+
+def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    return (available() and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and head_dim in DECODE_HEAD_DIMS)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """2-D view [n, row] whose rows are contiguous (any row stride)."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indptr: torch.Tensor,
+                     kv_indices: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     lse: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Single-query attention per request b over keys kv_indices[kv_indptr[b]:kv_indptr[b+1]].
+
+    q: [B, Hq, D] with each token's heads contiguous; k_buf/v_buf: [slots, Hkv, D] contiguous;
+    kv_indptr [B+1], kv_indices int64. Returns out [B, Hq, D] (q's dtype); fills lse [B, Hq]
+    float32 (log-sum-exp of the scaled scores) when given. None when unsupported.
+    """
+    lib = load()
+    b, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    if lib is None or q.dtype not in _DTYPE_CODE or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        return None
+    if kv_indptr.dtype != torch.int64 or kv_indices.dtype != torch.int64 or not kv_indices.is_contiguous():
+        return None
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype)
+    if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
+        return None
+    rc = lib.radixlm_decode_attention(_DTYPE_CODE[q.dtype], _ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf),
+                                      _ptr(kv_indptr), _ptr(kv_indices), _ptr(out), out.stride(0),
+                                      _ptr(lse) if lse is not None else None, b, hq, hkv, d, scale,
+                                      torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate (neox style) every head of x [T, H, D] in place; cos/sin float32 [max_pos, D/2]
+    contiguous. False when unsupported (x untouched)."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        return False
+    if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        return False
+    t, h, d = x.shape
+    rc = lib.radixlm_rope_inplace(_DTYPE_CODE[x.dtype], _ptr(x), t, x.stride(0), h, d, _ptr(positions),
+                                  _ptr(cos), _ptr(sin), torch.get_num_threads())
+    return rc == 0
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> torch.Tensor | None:
+    """rmsnorm(x + residual) * weight; residual (contiguous [T, H]) is updated in place to
+    x + residual. Without residual: rmsnorm(x) * weight. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or weight.dtype != x.dtype or not _rows_ok(x):
+        return None
+    if residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()):
+        return None
+    n, h = x.shape
+    out = torch.empty((n, h), dtype=x.dtype)
+    rc = lib.radixlm_add_rmsnorm(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0),
+                                 _ptr(residual) if residual is not None else None, _ptr(weight.contiguous()),
+                                 _ptr(out), n, h, eps, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """[n, 2I] contiguous (gate then up) -> silu(gate) * up [n, I]. None when unsupported."""
+    lib = load()
+    if lib is None or gate_up.dtype not in _DTYPE_CODE or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        return None
+    n, i2 = gate_up.shape
+    out = torch.empty((n, i2 // 2), dtype=gate_up.dtype)
+    lib.radixlm_silu_mul(_DTYPE_CODE[gate_up.dtype], _ptr(gate_up), _ptr(out), n, i2 // 2,
+                         torch.get_num_threads())
+    return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+             loc: torch.Tensor) -> bool:
+    """k_buf[loc] = k; v_buf[loc] = v for k, v [n, Hkv, D] (heads contiguous per token)."""
+    lib = load()
+    if lib is None or k.dtype not in _DTYPE_CODE or not (k.dtype == v.dtype == k_buf.dtype == v_buf.dtype):
+        return False
+    row = k_buf.shape[1] * k_buf.shape[2]
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            return False
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous()) or loc.dtype != torch.int64 \
+            or not loc.is_contiguous():
+        return False
+    lib.radixlm_store_kv(_DTYPE_CODE[k.dtype], _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(k_buf),
+                         _ptr(v_buf), _ptr(loc), loc.numel(), row)
+    return True

@@ -1,0 +1,99 @@
+"""Attention on the native CPU kernels (radixlm/kernels/cpu): the default backend on CPU
+when the kernels build.
+
+DECODE: one C call per layer over CSR indices built once per forward (kv_indptr /
+kv_indices from the request-to-token table): no gather of K/V into padded blocks, no
+padding work, no block-diagonal FLOPs (see torch_native's _decode_group for what that
+replaces), each request's keys read straight from the pool. When the whole batch shares
+a long radix prefix (system prompt, n > 1 samples), that prefix is still attended to
+with one dense GEMM per KV head over all query rows (torch, cascade style) and the
+per-request suffixes by the kernel; the two halves are merged exactly by log-sum-exp.
+
+EXTEND: torch_native's SDPA path (prefill is GEMM-bound and SDPA's flash kernel is good
+there). The KV store is one C call (row copies) instead of two index_copy_.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.kernels.indices import build_indptr, build_kv_indices
+from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
+from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _NativeDecode:
+    kv_indptr: torch.Tensor  # int64 [B + 1]
+    kv_indices: torch.Tensor  # int64 [sum of key counts]
+    shared_index: torch.Tensor | None = None  # [P] slots every request starts with (keys above exclude them)
+
+
+@ATTENTION_BACKENDS.register("cpu")
+class CpuNativeAttention(TorchNativeAttention):
+    def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
+        if not cpu_ops.available():
+            raise ValueError("the cpu attention backend needs the native CPU kernels, which could not be "
+                             "built (is a C++ compiler installed? see the log); use torch_native")
+        # Shapes the kernel is not instantiated for decode through torch_native.
+        self.native_decode = cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.mode != ForwardMode.DECODE or fb.req_to_token.device.type != "cpu" or not self.native_decode:
+            super().init_forward_metadata(fb)
+            return
+        lens = fb.seq_lens_cpu
+        shared = self._shared_prefix_len(fb, min(lens) - 1)
+        rows = fb.req_pool_indices
+        if shared:
+            # Keys after the shared prefix: shift each row's start by `shared`.
+            table = fb.req_to_token[:, shared:]
+            suffix = torch.tensor([n - shared for n in lens], dtype=torch.int64)
+            indices = build_kv_indices(table, rows, suffix, max(lens) - shared)
+            row0 = fb.req_to_token[int(rows[0])]
+            fb.attn_metadata = _NativeDecode(build_indptr(suffix, torch.int64), indices, row0[:shared].clone())
+            return
+        lens_t = fb.seq_lens if fb.seq_lens.dtype == torch.int64 else fb.seq_lens.long()
+        fb.attn_metadata = _NativeDecode(build_indptr(lens_t, torch.int64),
+                                         build_kv_indices(fb.req_to_token, rows, lens_t, max(lens)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                fb: ForwardBatch, scale: float) -> torch.Tensor:
+        meta = fb.attn_metadata
+        if not isinstance(meta, _NativeDecode):
+            return super().forward(q, k, v, layer_id, fb, scale)
+        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+        if not cpu_ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc):
+            self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if meta.shared_index is None:
+            out = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale)
+            if out is None:
+                raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
+            return out
+        return self._decode_shared_native(q, k_buf, v_buf, meta, scale)
+
+    def _decode_shared_native(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                              meta: _NativeDecode, scale: float) -> torch.Tensor:
+        """Shared prefix by GEMM, suffixes by the kernel, merged through their log-sum-exps."""
+        n = q.shape[0]
+        hkv, d, grp, h = self.num_kv_heads, self.head_dim, self.group, self.num_heads
+        lse_s = torch.empty((n, h), dtype=torch.float32)
+        o_s = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale, lse=lse_s)
+        if o_s is None:
+            raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
+        kp = k_buf.index_select(0, meta.shared_index).transpose(0, 1)  # [Hkv, P, D]
+        vp = v_buf.index_select(0, meta.shared_index).transpose(0, 1)
+        qh = q.reshape(n, hkv, grp, d).transpose(0, 1).reshape(hkv, n * grp, d)
+        scores = torch.bmm(qh, kp.transpose(1, 2)).float().mul_(scale)  # [Hkv, n*G, P]
+        lse_p = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores.sub_(lse_p.unsqueeze(-1))).to(q.dtype)
+        o_p = torch.bmm(probs, vp)  # [Hkv, n*G, D]
+        o_p = o_p.view(hkv, n, grp, d).transpose(0, 1).reshape(n, h, d).float()
+        lse_p = lse_p.view(hkv, n, grp).transpose(0, 1).reshape(n, h)
+        # softmax over both key sets = weights sigmoid(lse_p - lse_s) and its complement.
+        w_p = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)
+        return (o_s.float().lerp_(o_p, w_p)).to(q.dtype)

@@ -1,0 +1,102 @@
+"""The native CPU kernels (radixlm/kernels/cpu) against plain-torch formulations."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu import ops
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def reference_decode(q, k_buf, v_buf, indptr, indices, scale):
+    b, hq, d = q.shape
+    grp = hq // k_buf.shape[1]
+    outs, lses = [], []
+    for i in range(b):
+        slots = indices[indptr[i]:indptr[i + 1]]
+        k = k_buf[slots].float().repeat_interleave(grp, 1)  # [L, Hq, D]
+        v = v_buf[slots].float().repeat_interleave(grp, 1)
+        s = torch.einsum("hd,thd->ht", q[i].float(), k) * scale
+        lses.append(torch.logsumexp(s, -1))
+        outs.append(torch.einsum("ht,thd->hd", s.softmax(-1), v))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (4, 4, 64), (9, 3, 64), (8, 1, 128), (16, 2, 128), (6, 2, 96)])
+@pytest.mark.parametrize("lens", [[1], [17], [1, 2, 31, 16, 33], [700], [5, 1000, 3]])
+def test_decode_attention_matches_reference(dtype, heads, kv_heads, dim, lens):
+    g = torch.Generator().manual_seed(len(lens) * 1000 + heads * 10 + dim)
+    slots = 3000
+    k_buf = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int64)
+    indices = torch.randint(1, slots, (int(indptr[-1]),), generator=g)
+    # q as a strided view of a fused qkv row, as the model hands it over
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    q = qkv[:, :heads]
+    lse = torch.empty(len(lens), heads)
+    out = ops.decode_attention(q, k_buf, v_buf, indptr, indices, dim ** -0.5, lse=lse)
+    ref, ref_lse = reference_decode(q, k_buf, v_buf, indptr, indices, dim ** -0.5)
+    assert out is not None and out.dtype == dtype
+    assert torch.allclose(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_decode_attention_rejects_what_it_cannot_do():
+    q = torch.randn(2, 20, 64)
+    kv = torch.randn(10, 1, 64)
+    indptr = torch.tensor([0, 1, 2])
+    idx = torch.tensor([1, 2])
+    assert ops.decode_attention(q, kv, kv, indptr, idx, 0.1) is None  # 20 query heads per KV head
+    assert ops.decode_attention(q.half(), kv.half(), kv.half(), indptr, idx, 0.1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 33])
+def test_add_rmsnorm(dtype, rows):
+    x, r, w = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype), torch.randn(576).to(dtype)
+    res = r.clone()
+    out = ops.add_rmsnorm(x, res, w, 1e-5)
+    s = x + r
+    assert torch.equal(res, s)  # the residual stream is updated in place, rounded like torch's add
+    ref = F.rms_norm(s.float(), (576,), w.float(), 1e-5)
+    assert torch.allclose(out.float(), ref, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    plain = ops.add_rmsnorm(x, None, w, 1e-5)
+    assert torch.allclose(plain.float(), F.rms_norm(x.float(), (576,), w.float(), 1e-5),
+                          atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gu = torch.randn(7, 2 * 1536).to(dtype)
+    gate, up = gu.float().chunk(2, -1)
+    assert torch.allclose(ops.silu_mul(gu).float(), F.silu(gate) * up, atol=TOL[dtype] * 2, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_inplace_matches_torch_rotation(dtype):
+    from radixlm.srt.layers.rotary import RotaryEmbedding, apply_rotary
+
+    rot = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.tensor([0, 5, 511, 3, 200])
+    qkv = torch.randn(5, 7, 64).to(dtype)
+    want = apply_rotary(qkv[:, :5].float(), *rot.cos_sin(positions, torch.float32))
+    cos, sin = rot._cos_sin(positions.device, torch.float32, 512)
+    x = qkv.clone()
+    assert ops.rope_inplace(x[:, :5], positions, cos, sin)
+    assert torch.allclose(x[:, :5].float(), want, atol=TOL[dtype] * 2, rtol=TOL[dtype])
+    assert torch.equal(x[:, 5:], qkv[:, 5:])  # heads past the view untouched
+
+
+def test_store_kv_writes_rows_at_slots():
+    k_buf, v_buf = torch.zeros(10, 2, 4), torch.zeros(10, 2, 4)
+    kv = torch.randn(3, 6, 4)
+    loc = torch.tensor([7, 2, 9])
+    assert ops.store_kv(kv[:, 2:4], kv[:, 4:], k_buf, v_buf, loc)
+    assert torch.equal(k_buf[loc], kv[:, 2:4]) and torch.equal(v_buf[loc], kv[:, 4:])
+    assert k_buf[[0, 1, 3, 4, 5, 6, 8]].abs().sum() == 0
