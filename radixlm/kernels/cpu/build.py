@@ -22,6 +22,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from radixlm.kernels.cpu.cpuinfo import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -57,8 +59,6 @@ def _compiler() -> str | None:
 
 
 def _library_path(cxx: str) -> Path:
-    from radixlm.srt.weights.loader import cpu_flags
-
     h = hashlib.sha256(SOURCE.read_bytes())
     h.update(" ".join([cxx, *FLAGS, *sorted(cpu_flags())]).encode())
     return cache_dir() / f"cpu_ops-{h.hexdigest()[:16]}.so"

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from radixlm.config import ModelConfig
+from radixlm.kernels.cpu.cpuinfo import cpu_flags
 from radixlm.srt.weights.gguf_loader import gguf_cache_dir, gguf_model_config, iter_gguf_weights
 from radixlm.srt.weights.safetensors_loader import (hf_model_config, iter_hf_weights, iter_safetensors_file,
                                                    save_safetensors_atomic)
@@ -122,17 +123,6 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def cpu_has_fast_bf16() -> bool:
     # AMX tiles or AVX512-BF16 dot products make bf16 matmuls faster than fp32 and
     # halve memory traffic; without them oneDNN emulates bf16 and it is slower.
