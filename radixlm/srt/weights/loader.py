@@ -122,7 +122,6 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
     # AMX tiles or AVX512-BF16 dot products make bf16 matmuls faster than fp32 and
     # halve memory traffic; without them oneDNN emulates bf16 and it is slower.
