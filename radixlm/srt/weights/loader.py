@@ -7,7 +7,6 @@ SmolLM2 costs ~3.5 s (reader + numpy), reading the cache ~0.3 s.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
