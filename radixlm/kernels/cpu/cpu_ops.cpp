@@ -45,6 +45,10 @@ template <> inline uint16_t from_f<uint16_t>(float f) {
 constexpr int kMaxGroup = 16;   // query heads per KV head handled by one task
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kBlock = 32;      // keys scored per online-softmax step
+// Elementwise ops on fewer elements than this run on one thread: a decode batch's norm or
+// SiLU is ~10 us of work, less than waking a second thread, and a fork/join waits for the
+// slowest thread, which costs milliseconds when another process holds that core.
+constexpr int64_t kParallelMin = 1 << 17;
 // "No key seen yet" as a finite number: -ffast-math lets the compiler assume no infinities.
 constexpr float kNoMax = -1e30f;
 
@@ -306,7 +310,7 @@ template <typename T>
 void rope_inplace(T* x, int64_t T_, int64_t x_stride, int nheads, int D, const int64_t* pos,
                   const float* cos_t, const float* sin_t, int nthreads) {
   const int half = D / 2;
-#pragma omp parallel for num_threads(nthreads) if (T_ * nheads > 64)
+#pragma omp parallel for num_threads(nthreads) if (T_ * nheads * D >= kParallelMin)
   for (int64_t i = 0; i < T_ * nheads; ++i) {
     const int64_t t = i / nheads;
     const int h = (int)(i % nheads);
@@ -325,7 +329,7 @@ void rope_inplace(T* x, int64_t T_, int64_t x_stride, int nheads, int D, const i
 template <typename T>
 void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t n, int H,
                  float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (n >= 8)
+#pragma omp parallel for num_threads(nthreads) if (n * H >= kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const T* xr = x + t * x_stride;
     float buf[8192];
@@ -350,7 +354,7 @@ void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, 
 // gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding.
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (n * I >= 16384)
+#pragma omp parallel for num_threads(nthreads) if (n * I >= kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const T* g = gu + t * 2 * (int64_t)I;
     const T* u = g + I;
