@@ -128,46 +128,19 @@ class HiRadixCache(HostTierOps, RadixCache):
         return MatchResult(device_indices=indices, last_node=last_device, host_hit_length=host_len,
                            last_host_node=last_host)
 
-    def insert(self, key: RadixKey, value: torch.Tensor, priority: int = 0) -> int:
-        """As RadixCache.insert; host-only nodes on the path are revived with the caller's slots
-        (the tree takes them, so they are not counted as present). Then write-through."""
-        n = self.page_align(len(key))
-        if value.numel() < n:
-            raise ValueError(f"insert: {value.numel()} KV slots for {n} tokens")
-        tick = self._tick()
-        node, pos = self.root, 0
-        present: int | None = None
-        path: list[TreeNode] = []
-        while pos < n:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key.token_ids, key.token_ids, pos, n)
-            if m < len(child.key):
-                child = self._split_node(child, m)
-            child.last_access_time = tick
-            child.priority = max(child.priority, priority)
-            if child.value is None:
-                if present is None:
-                    present = pos
-                child.value = value[pos:pos + m].to(torch.int64).clone()
-                self._evictable_size += m
-                self._evictable_leaves.discard(node)  # it has a device child now
-                self._maybe_device_leaf(child)  # its children are all host-only
-            path.append(child)
-            node, pos = child, pos + m
-        if present is None:
-            present = pos
-        if pos < n:
-            leaf = TreeNode(key=key[pos:n], value=value[pos:n].to(torch.int64).clone(), parent=node,
-                            last_access_time=tick, creation_time=tick, priority=priority)
-            node.children[self._child_key(leaf.key)] = leaf
-            self._evictable_size += n - pos
-            self._evictable_leaves.discard(node)
-            self._evictable_leaves.add(leaf)
-            path.append(leaf)
+    def _revive(self, parent: TreeNode, node: TreeNode, slots: torch.Tensor) -> bool:
+        """A host-only node on an insert path takes the caller's slots (the tree keeps them,
+        so they do not count as already present)."""
+        if node.value is not None:
+            return False
+        node.value = slots.to(torch.int64).clone()
+        self._evictable_size += len(slots)
+        self._evictable_leaves.discard(parent)  # it has a device child now
+        self._maybe_device_leaf(node)  # its children are all host-only
+        return True
+
+    def _inserted(self, path: list[TreeNode]) -> None:
         self._write_through(path)
-        return present
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """As RadixCache._split_node, for either tier; copy bookkeeping follows the upper part."""

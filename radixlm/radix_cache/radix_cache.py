@@ -182,6 +182,8 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"insert: {value.numel()} KV slots for {n} tokens")
         tick = self._tick()
         node, pos = self.root, 0
+        present: int | None = None  # set where the first node without device KV was revived
+        path: list[TreeNode] = []
         while pos < n:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -193,6 +195,9 @@ class RadixCache(BasePrefixCache):
                 child = self._split_node(child, m)
             child.last_access_time = tick
             child.priority = max(child.priority, priority)
+            if self._revive(node, child, value[pos:pos + m]) and present is None:
+                present = pos
+            path.append(child)
             node, pos = child, pos + m
         if pos < n:
             leaf = TreeNode(key=key[pos:n], value=value[pos:n].to(torch.int64).clone(), parent=node,
@@ -201,7 +206,17 @@ class RadixCache(BasePrefixCache):
             self._evictable_size += n - pos
             self._evictable_leaves.discard(node)  # it has a child now
             self._evictable_leaves.add(leaf)
-        return pos
+            path.append(leaf)
+        self._inserted(path)
+        return pos if present is None else present
+
+    def _revive(self, parent: TreeNode, node: TreeNode, slots: torch.Tensor) -> bool:
+        """Hook for trees whose nodes can lack device KV (HiCache's host-only nodes): give
+        `node` the caller's `slots` and return True. Every node of this tree has its KV."""
+        return False
+
+    def _inserted(self, path: list[TreeNode]) -> None:
+        """Hook called with the nodes an insert walked or created, root excluded."""
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cut `child` after `split_len` tokens; the new upper node takes its place. The lock
