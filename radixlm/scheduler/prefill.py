@@ -145,10 +145,17 @@ class PrefillAdder:
             return AddStatus.CONTINUE, False
         reserve = remaining_reservation(req)
         first = self.nothing_running and not self.plan.reqs
+        # The matched prefix is counted in rem_total() while it is evictable, but admission
+        # locks it: it is no room for this request (as in SGLang, measure with it locked).
+        # Counting it let a request in whose later chunks then found no room, holding its KV
+        # while decode ran the pool dry ("out of memory" for requests that fit).
+        self.cache.lock(match.last_node)
+        room = self.rem_total()
+        self.cache.unlock(match.last_node)
         # The very first request may start with less than its reservation: if decode runs
         # short later, retraction handles it; otherwise it could never be admitted.
         need = extend + (1 if first else reserve)
-        if need >= self.rem_total() and not (first and extend < self.rem_total()):
+        if need >= room and not (first and extend < room):
             return AddStatus.NO_TOKEN, False
         if self.plan.reqs and extend > self.rem_input and self.rem_chunk is None:
             return AddStatus.OTHER, False
