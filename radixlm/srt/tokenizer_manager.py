@@ -199,8 +199,10 @@ class TokenizerManager:
 
     async def get_server_info(self) -> dict:
         info = await self.rpc(GetInfoReq())
+        # num_tokenizing_reqs: requests not yet sent to the scheduler (tokenizing, or held
+        # while paused); tests use it to know a request is held before they abort it.
         info.update(weight_version=self.weight_version, memory_released=self.memory_released,
-                    tokenizer_paused=self.paused)
+                    tokenizer_paused=self.paused, num_tokenizing_reqs=len(self.tokenizing))
         return info
 
     async def check_integrity(self) -> None:
