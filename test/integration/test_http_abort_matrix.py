@@ -655,3 +655,49 @@ def test_openai_surfaces_report_the_abort(server, http, path, stream):
     assert info["aborts_running"] == base["aborts_running"] + 1 and info["num_aborted"] == base["num_aborted"] + 1
     settle(server, http)
     assert_clean_log(server, start_log)
+
+
+@pytest.mark.parametrize("mode", STATES_BY_MODE)
+def test_storm_of_aborts_and_disconnects(server, http, mode):
+    """Every cell at once, at random moments: 2 rounds of 24 requests (streams and not, n = 2
+    families, prompts up to 100 tokens, the small pool retracting), with aborts, disconnects,
+    pauses in place and by retraction, and an abort_all. Every request that is not hung up on
+    gets exactly one terminal response with status 200 (none "out of memory": each fits the
+    pool alone), and the server ends idle, conserved, with a clean log."""
+    start_log = len(server.log())
+    settle(server, http)
+    rng = random.Random(7)
+    for rnd in range(2):
+        calls: list[Call] = []
+        for i in range(24):
+            n = 2 if rng.random() < 0.15 else 1
+            max_new = rng.randrange(5, 100)
+            params = {"max_new_tokens": max_new, "temperature": 0, "n": n}
+            if rng.random() < 0.5:
+                params["min_new_tokens"] = max_new
+            prompt = fresh_prompt(rng.choice([5, 20, 60, 100]))
+            calls.append(Call(server, generate_body(f"storm{rnd}-{i}", prompt, params, rng.random() < 0.5)))
+            if rng.random() < 0.1:
+                assert http.post("/pause_generation", json={"mode": rng.choice(["in_place", "retract"])}).status_code == 200
+                resume(http)
+        for c in calls:
+            fate = rng.random()
+            if fate < 0.3:
+                c.close()
+            elif fate < 0.6:
+                abort(http, c.rid)
+        if rnd == 1:
+            assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
+        for c in [c for c in calls if not c.closed]:
+            status, body = c.finish()
+            assert status == 200, (c.rid, body[:300])
+            if c.stream:
+                events = c.events()
+                assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, (c.rid, events[-3:])
+                finals = [e for e in events[:-1] if e["meta_info"]["finish_reason"] is not None]
+                assert sorted(e.get("index", 0) for e in finals) == sorted({e.get("index", 0) for e in events[:-1]})
+            else:
+                out = json.loads(body)
+                assert all(o["meta_info"]["finish_reason"] is not None for o in (out if isinstance(out, list) else [out]))
+        settle(server, http)
+    assert_clean_log(server, start_log)
