@@ -27,7 +27,7 @@ from radixlm.kernels.cpu.cpuinfo import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-pthread", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -99,6 +99,8 @@ def load() -> ctypes.CDLL | None:
 def _load() -> ctypes.CDLL | None:
     if os.environ.get("RADIXLM_CPU_KERNELS", "1") == "0":
         return None
+    import torch  # noqa: F401 - torch's libgomp must be loaded first so the library shares it
+
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")

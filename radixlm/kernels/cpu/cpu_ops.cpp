@@ -4,14 +4,15 @@
 // Why native code: at batch 1-32 on a small model every torch op costs 5-100 us of
 // dispatch, allocation and oneDNN set-up, and decode attention as batched GEMMs either
 // gathers K/V into a padded block or wastes FLOPs on a block-diagonal query. Here each op
-// is one pass over its data, vectorised by the compiler (-O3 -march=native -ffast-math),
-// accumulating in float32, split into tasks run by the calling thread plus a small pool of
-// helper threads (TaskPool below).
+// is one pass over its data, parallel with the OpenMP runtime torch already loaded
+// (same libgomp soname, so the same thread pool), vectorised by the compiler
+// (-O3 -march=native -ffast-math), accumulating in float32.
 //
 // Element types: T = float (float32) or uint16_t (bfloat16 bits). bf16 is widened by a
 // 16-bit shift and narrowed with round-to-nearest-even, as torch does.
 // Built and loaded by radixlm/kernels/cpu/build.py; called through ctypes (ops.py).
 
+#include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -19,10 +20,6 @@
 #include <string.h>
 #include <math.h>
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
-#include <mutex>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -45,118 +42,12 @@ template <> inline uint16_t from_f<uint16_t>(float f) {
   return (uint16_t)(u >> 16);
 }
 
-
-// Tasks 0..n-1 run by the calling thread and up to nthreads-1 persistent helpers, each task
-// claimed with one atomic increment. Unlike an OpenMP fork/join, the caller never waits
-// for a helper to *arrive*: it runs every task nobody has claimed and then waits only for
-// tasks a helper is actually running. On a 2-core machine where another process (the
-// detokenizer, an HTTP server) holds the other core, an OpenMP region waited for the
-// descheduled thread measured 4-8 ms per call against 0.3-0.5 ms of work.
-// The claim counter carries the job's generation in its high 32 bits, so a helper that
-// wakes late for a finished job can never claim a task of the next one.
-class TaskPool {
- public:
-  using Fn = void (*)(void*, int64_t);
-
-  void run(int64_t n, int nthreads, Fn fn, void* ctx) {
-    if (n <= 0) return;
-    if (nthreads <= 1 || n == 1) {
-      for (int64_t i = 0; i < n; ++i) fn(ctx, i);
-      return;
-    }
-    std::lock_guard<std::mutex> job(job_mu_);  // one job at a time (callers on several threads)
-    start_helpers(nthreads - 1);
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      gen = ++gen_;
-      fn_ = fn;
-      ctx_ = ctx;
-      n_ = n;
-      done_.store(0, std::memory_order_relaxed);
-      claim_.store(gen << 32, std::memory_order_release);
-    }
-    cv_.notify_all();
-    work(gen, fn, ctx, n);
-    while (done_.load(std::memory_order_acquire) < n) std::this_thread::yield();
-  }
-
-  ~TaskPool() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : helpers_) t.join();
-  }
-
- private:
-  // Claim and run tasks of job `gen` until none is left (or a newer job started).
-  void work(uint64_t gen, Fn fn, void* ctx, int64_t n) {
-    for (;;) {
-      uint64_t c = claim_.load(std::memory_order_acquire);
-      for (;;) {
-        if ((c >> 32) != (gen & 0xffffffffu) || (int64_t)(c & 0xffffffffu) >= n) return;
-        if (claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) break;
-      }
-      fn(ctx, (int64_t)(c & 0xffffffffu));
-      done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void helper() {
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t gen;
-      Fn fn;
-      void* ctx;
-      int64_t n;
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || gen_ != seen; });
-        if (stop_) return;
-        seen = gen = gen_;
-        fn = fn_;
-        ctx = ctx_;
-        n = n_;
-      }
-      work(gen, fn, ctx, n);
-    }
-  }
-
-  void start_helpers(int want) {
-    while ((int)helpers_.size() < want) helpers_.emplace_back([this] { helper(); });
-  }
-
-  std::mutex job_mu_, mu_;
-  std::condition_variable cv_;
-  std::vector<std::thread> helpers_;
-  std::atomic<uint64_t> claim_{0};
-  std::atomic<int64_t> done_{0};
-  uint64_t gen_ = 0;
-  Fn fn_ = nullptr;
-  void* ctx_ = nullptr;
-  int64_t n_ = 0;
-  bool stop_ = false;
-};
-
-TaskPool& pool() {
-  static TaskPool* p = new TaskPool();  // never destroyed: helpers may outlive static teardown
-  return *p;
-}
-
-// parallel_for(n, nthreads, f): f(i) for i in [0, n) on the pool.
-template <typename F>
-void parallel_for(int64_t n, int nthreads, F&& f) {
-  using Body = typename std::remove_reference<F>::type;
-  pool().run(n, nthreads, [](void* c, int64_t i) { (*static_cast<Body*>(c))(i); }, (void*)&f);
-}
-
 constexpr int kMaxGroup = 16;   // query heads per KV head handled by one task
 constexpr int kMaxDim = 256;    // head_dim
 constexpr int kBlock = 32;      // keys scored per online-softmax step
-// Elementwise ops on fewer elements than this run on the calling thread alone: a decode
-// batch's norm or SiLU is ~10 us of work, less than waking a helper.
+// Elementwise ops on fewer elements than this run on one thread: a decode batch's norm or
+// SiLU is ~10 us of work, less than waking a second thread, and a fork/join waits for the
+// slowest thread, which costs milliseconds when another process holds that core.
 constexpr int64_t kParallelMin = 1 << 17;
 // "No key seen yet" as a finite number: -ffast-math lets the compiler assume no infinities.
 constexpr float kNoMax = -1e30f;
@@ -361,7 +252,8 @@ void decode_attention(const T* q, int64_t q_stride, const T* kbuf, const T* vbuf
   const int64_t tasks = (int64_t)B * Hkv * splits;
   std::vector<float> part_acc(splits > 1 ? tasks * G * D : 0);
   std::vector<float> part_ml(splits > 1 ? tasks * G * 2 : 0);
-  parallel_for(tasks, nthreads, [&](int64_t t) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t t = 0; t < tasks; ++t) {
     const int split = (int)(t % splits);
     const int kvh = (int)((t / splits) % Hkv);
     const int b = (int)(t / ((int64_t)splits * Hkv));
@@ -386,9 +278,10 @@ void decode_attention(const T* q, int64_t q_stride, const T* kbuf, const T* vbuf
         part_ml[(t * G + g) * 2 + 1] = l[g];
       }
     }
-  });
+  }
   if (splits == 1) return;
-  parallel_for((int64_t)B * Hq, nthreads, [&](int64_t bh) {
+#pragma omp parallel for num_threads(nthreads)
+  for (int64_t bh = 0; bh < (int64_t)B * Hq; ++bh) {
     const int b = (int)(bh / Hq), h = (int)(bh % Hq), kvh = h / G, g = h % G;
     const int64_t t0 = ((int64_t)b * Hkv + kvh) * splits;
     float mx = kNoMax;
@@ -408,7 +301,7 @@ void decode_attention(const T* q, int64_t q_stride, const T* kbuf, const T* vbuf
     T* op = out + b * out_stride + (int64_t)h * D;
     for (int d = 0; d < D; ++d) op[d] = from_f<T>(o[d] * inv);
     if (lse) lse[bh] = lsum > 0.f ? mx + logf(lsum) : kNoMax;
-  });
+  }
 }
 
 // Neox-style rotary (rotate-half) applied in place to heads [0, nheads) of each token row.
@@ -417,25 +310,27 @@ template <typename T>
 void rope_inplace(T* x, int64_t T_, int64_t x_stride, int nheads, int D, const int64_t* pos,
                   const float* cos_t, const float* sin_t, int nthreads) {
   const int half = D / 2;
-  parallel_for(T_, T_ * nheads * D >= kParallelMin ? nthreads : 1, [&](int64_t t) {
+#pragma omp parallel for num_threads(nthreads) if (T_ * nheads * D >= kParallelMin)
+  for (int64_t i = 0; i < T_ * nheads; ++i) {
+    const int64_t t = i / nheads;
+    const int h = (int)(i % nheads);
+    T* row = x + t * x_stride + (int64_t)h * D;
     const float* c = cos_t + pos[t] * half;
     const float* s = sin_t + pos[t] * half;
-    for (int h = 0; h < nheads; ++h) {
-      T* row = x + t * x_stride + (int64_t)h * D;
-      for (int d = 0; d < half; ++d) {
-        const float x1 = to_f(row[d]), x2 = to_f(row[d + half]);
-        row[d] = from_f<T>(x1 * c[d] - x2 * s[d]);
-        row[d + half] = from_f<T>(x2 * c[d] + x1 * s[d]);
-      }
+    for (int d = 0; d < half; ++d) {
+      const float x1 = to_f(row[d]), x2 = to_f(row[d + half]);
+      row[d] = from_f<T>(x1 * c[d] - x2 * s[d]);
+      row[d + half] = from_f<T>(x2 * c[d] + x1 * s[d]);
     }
-  });
+  }
 }
 
 // residual (if given) += x, rounded to T; out = rmsnorm(residual or x) * w, one rounding.
 template <typename T>
 void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t n, int H,
                  float eps, int nthreads) {
-  parallel_for(n, n * H >= kParallelMin ? nthreads : 1, [&](int64_t t) {
+#pragma omp parallel for num_threads(nthreads) if (n * H >= kParallelMin)
+  for (int64_t t = 0; t < n; ++t) {
     const T* xr = x + t * x_stride;
     float buf[8192];
     float ss = 0.f;
@@ -453,13 +348,14 @@ void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, 
     const float r = 1.f / sqrtf(ss / H + eps);
     T* orow = out + t * (int64_t)H;
     for (int i = 0; i < H; ++i) orow[i] = from_f<T>(buf[i] * r * to_f(w[i]));
-  });
+  }
 }
 
 // gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding.
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
-  parallel_for(n, n * I >= kParallelMin ? nthreads : 1, [&](int64_t t) {
+#pragma omp parallel for num_threads(nthreads) if (n * I >= kParallelMin)
+  for (int64_t t = 0; t < n; ++t) {
     const T* g = gu + t * 2 * (int64_t)I;
     const T* u = g + I;
     T* o = out + t * (int64_t)I;
@@ -467,7 +363,7 @@ void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
       const float gv = to_f(g[i]);
       o[i] = from_f<T>(gv / (1.f + expf(-gv)) * to_f(u[i]));
     }
-  });
+  }
 }
 
 // KV store: rows of k/v [n, Hkv*D] (row strides given) into kbuf/vbuf at slots loc.
