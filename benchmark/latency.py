@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_peer_args, emit, load_hf, parse_peers, peer_hf_dir, peer_unavailable, run_peer  # noqa: E402
+from common import add_peer_args, emit, load_hf, parse_peers, run_engine_peer  # noqa: E402
 
 
 def make_prompt(tokenizer, n: int) -> list[int]:
@@ -101,16 +101,7 @@ def main() -> None:
         else:
             spec = {"mode": "latency", "prompt": prompt, "output_len": args.output_len, "repeats": args.repeats,
                     "max_num_seqs": 1}
-            if peer == "vllm":
-                try:
-                    spec.update(model=peer_hf_dir(model_path), dtype="bfloat16", prefix_caching=True)
-                except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
-                    result[peer] = peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
-                    continue
-                result[peer] = run_peer(peer, args.vllm_venv, spec, args.peer_timeout)
-            else:
-                spec.update(model=model_path, threads=os.cpu_count() or 1)
-                result[peer] = run_peer(peer, args.llamacpp_venv, spec, args.peer_timeout)
+            result[peer] = run_engine_peer(peer, spec, model_path, args)
         if result[peer].get("decode_ms_per_token"):
             result[f"decode_speedup_vs_{peer}"] = round(result[peer]["decode_ms_per_token"]
                                                         / result["radixlm"]["decode_ms_per_token"], 2)

@@ -19,8 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers, peer_hf_dir,  # noqa: E402
-                    peer_unavailable, run_peer)
+from common import (add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers,  # noqa: E402
+                    run_engine_peer)
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
           "photosynthesis", "machine learning", "the water cycle", "plate tectonics",
@@ -83,16 +83,7 @@ def run_peers(peers: list[str], args, model_path: str, prompts: list[list[int]],
         if peer == "hf":
             continue
         spec = {"mode": "generate", "prompts": prompts, "output_len": output_len, "max_num_seqs": args.max_num_seqs}
-        if peer == "vllm":
-            try:
-                spec.update(model=peer_hf_dir(model_path), dtype="bfloat16", prefix_caching=True)
-            except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
-                result[peer] = peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
-                continue
-            out = run_peer(peer, args.vllm_venv, spec, args.peer_timeout)
-        else:
-            spec.update(model=model_path, shared_prefix_len=shared_prefix_len, threads=os.cpu_count() or 1)
-            out = run_peer(peer, args.llamacpp_venv, spec, args.peer_timeout)
+        out = run_engine_peer(peer, spec, model_path, args, shared_prefix_len=shared_prefix_len)
         outputs = out.pop("outputs", None)
         if outputs is not None:
             out["agreement_with_radixlm"] = agreement(our_outputs, outputs)
