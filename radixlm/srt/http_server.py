@@ -111,6 +111,13 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
 
     def wait(name: str, proc) -> None:
         code = proc.wait()
+        if code == 0:
+            # A child exits 0 only on SIGTERM. A stop sent to the whole process group
+            # (systemd, docker, `timeout`) reaches us too: give our own handler a moment to
+            # begin the orderly shutdown before calling this a crash.
+            deadline = time.monotonic() + 1.0
+            while not ctx.shutting_down and time.monotonic() < deadline:
+                time.sleep(0.02)
         try:
             loop.call_soon_threadsafe(on_exit, name, code)
         except RuntimeError:  # the loop is already closed: we are exiting anyway

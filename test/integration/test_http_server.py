@@ -36,7 +36,7 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     """`python -m radixlm serve` in a subprocess; its output goes to a log file."""
 
-    def __init__(self, model_dir: str, log_path: str, *extra: str) -> None:
+    def __init__(self, model_dir: str, log_path: str, *extra: str, new_session: bool = False) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -44,7 +44,8 @@ class ServerProcess:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "radixlm", "serve", "--model-path", model_dir,
                                       "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *extra],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         self.runtime: dict = {}
 
     def log(self) -> str:

@@ -176,3 +176,14 @@ def test_runtime_process_death_stops_the_server(server):
     assert rc != 0
     server.stop()  # asserts: children gone, IPC dir removed
     assert "scheduler process exited unexpectedly" in server.log()
+
+
+def test_sigterm_to_the_whole_process_group_is_a_clean_stop(tiny_llama_dir, tmp_path):
+    """systemd, docker and `timeout` signal every process of the group: the children exit at
+    once, and that must read as the orderly stop it is, not as a crashed runtime."""
+    srv = ServerProcess(tiny_llama_dir, str(tmp_path / "server.log"), new_session=True)
+    srv.wait_ready()
+    os.killpg(srv.proc.pid, signal.SIGTERM)
+    rc, _ = srv.stop()  # waits for the exit; asserts children gone and IPC dir removed
+    assert rc == 0, srv.log()
+    assert "exited unexpectedly" not in srv.log()
