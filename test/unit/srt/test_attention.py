@@ -123,6 +123,16 @@ def test_decode_over_a_shared_radix_prefix(backend, dtype):
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels could not be built")
+def test_cpu_backend_float16_pool_decodes_through_torch():
+    """A dtype the native kernel has no instance for falls back instead of failing."""
+    w = _World(torch.float16, "cpu")
+    w.step(ForwardMode.EXTEND, [0, 1], [9, 4], dtype=torch.float16)
+    out, ref, _, _ = w.step(ForwardMode.DECODE, [0, 1], [1, 1], dtype=torch.float16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_kv_pool_layout_and_size():
     pool = MHATokenToKVPool(10, 3, 2, 4, torch.bfloat16, "cpu")
     assert len(pool.k_buffer) == 3 and pool.k_buffer[0].shape == (11, 2, 4)

@@ -39,8 +39,10 @@ class CpuNativeAttention(TorchNativeAttention):
         if not cpu_ops.available():
             raise ValueError("the cpu attention backend needs the native CPU kernels, which could not be "
                              "built (is a C++ compiler installed? see the log); use torch_native")
-        # Shapes the kernel is not instantiated for decode through torch_native.
-        self.native_decode = cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
+        # Shapes and dtypes the kernel is not instantiated for (e.g. float16) decode through
+        # torch_native.
+        self.native_decode = (cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
+                              and kv_pool.dtype in (torch.float32, torch.bfloat16))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode != ForwardMode.DECODE or fb.req_to_token.device.type != "cpu" or not self.native_decode:
