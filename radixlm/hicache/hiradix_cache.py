@@ -221,20 +221,20 @@ class HiRadixCache(HostTierOps, RadixCache):
         self._ack_loads(self.controller.wait_loads())
 
     def _ack_writes(self, op_ids: list[int]) -> None:
-        if not op_ids:
-            return
-        for op in op_ids:
-            self.dec_lock_ref(self._ongoing_writes.pop(op))
-        done = set(op_ids)
-        self._host_pending = {x: o for x, o in self._host_pending.items() if o not in done}
+        self._ack(op_ids, self._ongoing_writes, self._host_pending)
 
     def _ack_loads(self, op_ids: list[int]) -> None:
+        self._ack(op_ids, self._ongoing_loads, self._device_pending)
+
+    def _ack(self, op_ids: list[int], ongoing: dict[int, TreeNode], pending: dict[TreeNode, int]) -> None:
+        """Finished copies: unlock what each op locked and forget the nodes it was filling."""
         if not op_ids:
             return
         for op in op_ids:
-            self.dec_lock_ref(self._ongoing_loads.pop(op))
+            self.dec_lock_ref(ongoing.pop(op))
         done = set(op_ids)
-        self._device_pending = {x: o for x, o in self._device_pending.items() if o not in done}
+        for node in [x for x, o in pending.items() if o in done]:
+            del pending[node]
 
     # ------------------------------------------------------------------ device eviction
     def evict(self, num_tokens: int) -> int:
@@ -329,21 +329,14 @@ class HiRadixCache(HostTierOps, RadixCache):
                 "load_back_wait_seconds_total": round(c["fence_wait_seconds"], 6),
                 "write_seconds_total": round(c["write_seconds"], 6), **self.stats}
 
-    def pretty_print(self) -> str:
-        lines = [f"HiRadixCache(policy={self.write_policy}, evictable={self._evictable_size}, "
-                 f"protected={self._protected_size}, host used {self.host_pool.used_size()}/"
-                 f"{self.host_pool.capacity})"]
-        stack: list[tuple[TreeNode, int]] = [(self.root, 0)]
-        while stack:
-            node, depth = stack.pop()
-            toks = node.key.token_ids
-            tier = ("D" if node.value is not None else "-") + ("H" if node.host_value is not None else "-")
-            shown = " ".join(map(str, toks[:8])) + (" ..." if len(toks) > 8 else "")
-            lines.append(f"{'  ' * depth}[{tier}] ({len(toks)}) {shown} lock={node.lock_ref} hits={node.hit_count}")
-            stack.extend((c, depth + 1) for c in node.children.values())
-        text = "\n".join(lines)
-        print(text)
-        return text
+    def _describe(self) -> str:
+        return (f"HiRadixCache(policy={self.write_policy}, evictable={self._evictable_size}, "
+                f"protected={self._protected_size}, host used {self.host_pool.used_size()}/"
+                f"{self.host_pool.capacity})")
+
+    def _node_tag(self, node: TreeNode) -> str:
+        """Which tiers hold the node's KV: D(evice), H(ost)."""
+        return "[" + ("D" if node.value is not None else "-") + ("H" if node.host_value is not None else "-") + "] "
 
     def check_integrity(self, live_reqs: list["Req"]) -> None:
         from radixlm.hicache.integrity import check_hiradix_cache

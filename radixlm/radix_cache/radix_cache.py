@@ -380,16 +380,24 @@ class RadixCache(BasePrefixCache):
         parts = [n.value for n in reversed(self._path_to_root(node))]
         return torch.cat(parts) if parts else _EMPTY.clone()
 
+    def _describe(self) -> str:
+        """The first line of pretty_print."""
+        return (f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy_name}, "
+                f"evictable={self._evictable_size}, protected={self._protected_size})")
+
+    def _node_tag(self, node: TreeNode) -> str:
+        """Extra per-node prefix in pretty_print (the host tier shows where the KV lives)."""
+        return ""
+
     def pretty_print(self) -> str:
-        lines = [f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy_name}, "
-                 f"evictable={self._evictable_size}, protected={self._protected_size})"]
+        lines = [self._describe()]
         stack: list[tuple[TreeNode, int]] = [(self.root, 0)]
         while stack:
             node, depth = stack.pop()
             toks = node.key.token_ids
             shown = " ".join(map(str, toks[:8])) + (" ..." if len(toks) > 8 else "")
             ns = f"[{node.key.extra_key}] " if node.key.extra_key is not None else ""
-            lines.append(f"{'  ' * depth}{ns}({len(toks)}) {shown} lock={node.lock_ref} "
+            lines.append(f"{'  ' * depth}{self._node_tag(node)}{ns}({len(toks)}) {shown} lock={node.lock_ref} "
                          f"hits={node.hit_count} t={node.last_access_time}")
             stack.extend((c, depth + 1) for c in node.children.values())
         text = "\n".join(lines)

@@ -133,6 +133,18 @@ def test_insert_revives_host_only_nodes_with_the_callers_slots():
     assert m.device_indices.numel() == 40 and m.host_hit_length == 0
 
 
+def test_pretty_print_shows_the_tier_of_each_node(capsys):
+    t = Tree()
+    t.put(A)
+    t.settle()
+    t.tree.evict(20)  # A only on the host now
+    t.put(C)
+    text = t.tree.pretty_print()
+    assert text.startswith("HiRadixCache(policy=write_through")
+    assert "[-H] (20) 100 101" in text and "[D" in text.split("(20) 300")[0].splitlines()[-1]
+    assert "300 301" in capsys.readouterr().out
+
+
 def test_load_back_threshold_quota_and_all_or_nothing():
     t = Tree(capacity=32)
     short = list(range(500, 509))  # 9 tokens
