@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers  # noqa: E402
-from offline_throughput import TOPICS, run_peers  # noqa: E402
+from common import add_peer_args, agreement, emit, parse_peers  # noqa: E402
+from offline_throughput import TOPICS, run_hf, run_peers, run_radixlm  # noqa: E402
 
 SYSTEM = ("You are a careful assistant for a public library. Answer questions about history, "
           "science and geography in plain language, cite well-known facts only, and keep every answer "
@@ -38,27 +37,6 @@ def make_prompts(tokenizer, n: int, prefix_len: int) -> tuple[list[list[int]], i
         q = tokenizer.encode(f"\nQuestion {i}: tell me about {TOPICS[i % len(TOPICS)]}.\nAnswer:")
         out.append(prefix + q)
     return out, len(prefix)
-
-
-def run_radixlm(prompts: list[list[int]], output_len: int, model_path: str, dtype: str) -> dict:
-    from radixlm import Engine
-    t0 = time.perf_counter()
-    engine = Engine(model_path=model_path, dtype=dtype)
-    load_s = time.perf_counter() - t0
-    engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up
-    engine.flush_cache()  # the measured run starts with a cold cache: the prefix is computed once in it
-    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
-    t0 = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    wall = time.perf_counter() - t0
-    info = engine.get_server_info()
-    engine.shutdown()
-    n = sum(len(o["output_ids"]) for o in outs)
-    cached = [o.get("meta_info", {}).get("cached_tokens") for o in outs]
-    return {"engine": "radixlm", "load_s": round(load_s, 2), "wall_s": round(wall, 3), "output_tokens": n,
-            "output_tok_per_s": round(n / wall, 1), "dtype": info["dtype"],
-            "cached_tokens_total": sum(c for c in cached if c) if any(c is not None for c in cached) else None,
-            "outputs": [o["output_ids"] for o in outs]}
 
 
 def main() -> None:
@@ -80,18 +58,12 @@ def main() -> None:
     result = {"workload": {"num_requests": len(prompts), "shared_prefix_tokens": plen,
                            "input_tokens": sum(map(len, prompts)), "output_len": args.output_len,
                            "model": model_path}}
-    ours = run_radixlm(prompts, args.output_len, model_path, args.dtype)
+    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:
-        model, load_s = load_hf(model_path)
-        t0 = time.perf_counter()
-        hf_out = hf_generate(model, prompts, args.output_len, args.hf_batch_size)
-        wall = time.perf_counter() - t0
-        n = sum(map(len, hf_out))
-        result["hf"] = {"engine": "hf-transformers", "load_s": load_s, "wall_s": round(wall, 3), "output_tokens": n,
-                        "output_tok_per_s": round(n / wall, 1), "dtype": "float32",
-                        "batch_size": args.hf_batch_size, "prefix_cache": False}
+        result["hf"] = {**run_hf(prompts, args.output_len, model_path, args.hf_batch_size), "prefix_cache": False}
+        hf_out = result["hf"].pop("outputs")
         result["speedup_vs_hf"] = round(ours["output_tok_per_s"] / result["hf"]["output_tok_per_s"], 2)
         result["hf"]["agreement_with_radixlm"] = agree = agreement(our_outputs, hf_out)
         result["mean_common_prefix_tokens"] = agree["mean_common_prefix_tokens"]
