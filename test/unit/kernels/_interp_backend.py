@@ -22,6 +22,7 @@ from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode  # 
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool  # noqa: E402
 from radixlm.srt.models.registry import load_model  # noqa: E402
 from radixlm.srt.weights.loader import load_model_config  # noqa: E402
+from test.unit.kernels.batches import place_tokens, random_qkv  # noqa: E402
 from test.unit.srt.conftest import ModelHarness  # noqa: E402
 
 
@@ -86,16 +87,8 @@ def test_backend_matches_torch_native_on_poisoned_pool():
 
     def step(mode, rows, ext):
         n = sum(ext)
-        loc = torch.tensor([free.pop() for _ in range(n)])
-        prefix = [lens[r] for r in rows]
-        start = 0
-        for r, p, e in zip(rows, prefix, ext):
-            req_to_token[r, p:p + e] = loc[start:start + e]
-            lens[r] = p + e
-            start += e
-        q = torch.randn(n, heads, dim, generator=gen)
-        k = torch.randn(n, kv_heads, dim, generator=gen)
-        v = torch.randn(n, kv_heads, dim, generator=gen)
+        loc, prefix = place_tokens(req_to_token, free, lens, rows, ext)
+        q, k, v = random_qkv(gen, n, heads, kv_heads, dim)
         outs = []
         for be in backends:
             fb = ForwardBatch.build(mode, [0] * n, loc, rows, prefix, ext, req_to_token)

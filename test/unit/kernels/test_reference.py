@@ -19,6 +19,7 @@ from radixlm.kernels.reference import (decode_attention_ref, extend_attention_re
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from test.unit.kernels.batches import place_tokens, random_qkv
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
 
 
@@ -60,16 +61,8 @@ def test_twins_match_torch_native(heads, kv_heads):
                             (ForwardMode.EXTEND, [2, 0, 1], [3, 1, 8]),
                             (ForwardMode.DECODE, [0, 1, 2], [1, 1, 1])]:
         n = sum(ext)
-        loc = torch.tensor([free.pop() for _ in range(n)])
-        prefix = [lens[r] for r in rows]
-        start = 0
-        for r, p, e in zip(rows, prefix, ext):
-            req_to_token[r, p:p + e] = loc[start:start + e]
-            lens[r] = p + e
-            start += e
-        q = torch.randn(n, heads, dim, generator=gen)
-        k = torch.randn(n, kv_heads, dim, generator=gen)
-        v = torch.randn(n, kv_heads, dim, generator=gen)
+        loc, prefix = place_tokens(req_to_token, free, lens, rows, ext)
+        q, k, v = random_qkv(gen, n, heads, kv_heads, dim)
         fb = ForwardBatch.build(mode, [0] * n, loc, rows, prefix, ext, req_to_token)
         backend.init_forward_metadata(fb)
         want = backend.forward(q, k, v, 0, fb, dim ** -0.5)  # also stores k, v in the pool
