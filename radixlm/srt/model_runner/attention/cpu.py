@@ -59,9 +59,8 @@ class CpuNativeAttention(TorchNativeAttention):
             row0 = fb.req_to_token[int(rows[0])]
             fb.attn_metadata = _NativeDecode(build_indptr(suffix, torch.int64), indices, row0[:shared].clone())
             return
-        lens_t = fb.seq_lens if fb.seq_lens.dtype == torch.int64 else fb.seq_lens.long()
-        fb.attn_metadata = _NativeDecode(build_indptr(lens_t, torch.int64),
-                                         build_kv_indices(fb.req_to_token, rows, lens_t, max(lens)))
+        fb.attn_metadata = _NativeDecode(build_indptr(fb.seq_lens, torch.int64),  # seq_lens is int64
+                                         build_kv_indices(fb.req_to_token, rows, fb.seq_lens, max(lens)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
