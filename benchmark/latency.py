@@ -38,9 +38,10 @@ def summarize(ttft: list[float], full: list[float], output_len: int) -> dict:
             "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
 
 
-def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: str, dtype: str) -> dict:
+def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: str, dtype: str,
+                quantization: str | None = None) -> dict:
     from radixlm import Engine
-    engine = Engine(model_path=model_path, dtype=dtype)
+    engine = Engine(model_path=model_path, dtype=dtype, quantization=quantization)
     engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8})  # warm-up
     ttft, full = [], []
     for _ in range(repeats):
@@ -53,7 +54,7 @@ def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: st
             assert len(out["output_ids"]) == n
     info = engine.get_server_info()
     engine.shutdown()
-    return {"engine": "radixlm", "dtype": info["dtype"], **summarize(ttft, full, output_len)}
+    return {"engine": "radixlm", "dtype": info["dtype"], "quantization": info.get("quantization"), **summarize(ttft, full, output_len)}
 
 
 def run_hf(prompt: list[int], output_len: int, repeats: int, model_path: str) -> dict:
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
     add_peer_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -94,7 +96,8 @@ def main() -> None:
     prompt = make_prompt(load_tokenizer(model_path), args.prompt_len)
     result = {"workload": {"prompt_tokens": len(prompt), "output_len": args.output_len, "repeats": args.repeats,
                            "model": model_path},
-              "radixlm": run_radixlm(prompt, args.output_len, args.repeats, model_path, args.dtype)}
+              "radixlm": run_radixlm(prompt, args.output_len, args.repeats, model_path, args.dtype,
+                                         args.quantization)}
     for peer in peers:
         if peer == "hf":
             result["hf"] = run_hf(prompt, args.output_len, args.repeats, model_path)

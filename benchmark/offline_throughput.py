@@ -61,7 +61,8 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict) 
     return {"engine": "radixlm", "load_s": round(load_s, 2), "wall_s": round(wall, 3),
             "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
             "total_tok_per_s": round((out_tokens + sum(map(len, prompts))) / wall, 1),
-            "dtype": info["dtype"], "attention_backend": info["attention_backend"],
+            "dtype": info["dtype"], "quantization": info.get("quantization"),
+            "attention_backend": info["attention_backend"],
             "cached_tokens_total": sum(c for c in cached if c) if any(c is not None for c in cached) else None,
             "outputs": [o["output_ids"] for o in outs]}
 
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
     add_peer_args(ap)
     ap.add_argument("--compare-hf", action="store_true", help="alias of --peer hf")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -115,7 +117,8 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.num_prompts)
     result = {"workload": {"num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
                            "output_len": args.output_len, "model": model_path}}
-    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
+    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype,
+                                                    "quantization": args.quantization})
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:

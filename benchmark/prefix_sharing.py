@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
     add_peer_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
@@ -58,7 +59,8 @@ def main() -> None:
     result = {"workload": {"num_requests": len(prompts), "shared_prefix_tokens": plen,
                            "input_tokens": sum(map(len, prompts)), "output_len": args.output_len,
                            "model": model_path}}
-    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype})
+    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype,
+                                                    "quantization": args.quantization})
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:

@@ -50,6 +50,9 @@ class ServerArgs:
     tokenizer_path: str | None = _opt("tokenizer directory (default: the model's)", default=None)
     dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "
+                                    "through int8 GEMMs, CPU only; default: none (the dtype above)",
+                                    default=None)
     device: str = _opt("device to run on", choices=("auto", "cpu", "cuda"), default="auto")
     context_length: int | None = _opt("maximum context length (default: the model's)", default=None)
     max_total_tokens: int | None = _opt("KV pool capacity in tokens (default: from mem_fraction_static)",
@@ -133,6 +136,8 @@ class ServerArgs:
             raise ValueError("hicache_ratio must be > 0 and hicache_size (GB) >= 0")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
+        if self.quantization not in (None, "w8a8_int8"):
+            raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -1,6 +1,6 @@
 """Micro-benchmark of one decode step (model forward + LM head + greedy argmax).
 
-    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--profile]
+    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--profile]
 
 Builds the model, a KV pool and the attention backend directly (no scheduler), fills
 the KV of `batch` requests of length `ctx` with random values, then times decode steps.
@@ -15,7 +15,8 @@ import time
 import torch
 
 
-def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str = "torch_native"):
+def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str = "torch_native",
+          quantization: str | None = None):
     from radixlm.srt.model_runner.attention.base import create_attention_backend
     from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
     from radixlm.srt.models.registry import build_model
@@ -26,6 +27,7 @@ def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str =
     dtype = resolve_dtype(dtype_name, "cpu")
     model = build_model(cfg, dtype, "cpu")
     model.load_weights(iter_weights(path, cfg))
+    model.set_quantization(quantization)
     model.eval()
     total = batch * (ctx + 64) + 1
     pool = MHATokenToKVPool(total, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
@@ -63,9 +65,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--shared", type=int, default=0, help="KV slots shared by all requests")
     ap.add_argument("--backend", default="cpu", help="attention backend (cpu, torch_native, ...)")
+    ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
     ap.add_argument("--max-group-keys", type=int, default=None, help="override the backend's cap")
     args = ap.parse_args()
-    model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared, args.backend)
+    model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared, args.backend,
+                                    args.quantization)
     if args.max_group_keys is not None:
         attn.max_group_keys = args.max_group_keys
     lens = [args.ctx - (i % 7) * 3 for i in range(args.batch)]  # slightly ragged, like real batches
@@ -79,6 +83,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         times.sort()
         res = {"backend": args.backend, "batch": args.batch, "ctx": args.ctx, "shared": args.shared, "dtype": str(dtype).replace("torch.", ""),
+               "quantization": args.quantization,
                "threads": torch.get_num_threads(), "median_ms": round(1000 * times[len(times) // 2], 2),
                "min_ms": round(1000 * times[0], 2)}
         print(json.dumps(res))

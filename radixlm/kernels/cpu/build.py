@@ -1,4 +1,4 @@
-"""Compile cpu_ops.cpp with the system C++ compiler on first use and load it with ctypes.
+"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp) with the system C++ compiler on first use and load it with ctypes.
 
 A plain shared library (no torch headers, no Python C API) compiles in about a second,
 so no build step is needed at install time and a machine without a compiler still runs
@@ -26,7 +26,9 @@ from radixlm.kernels.cpu.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_HERE = Path(__file__).parent
+SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp"]
+HEADERS = [_HERE / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -43,6 +45,10 @@ _SIGNATURES = {
     "radixlm_add_rmsnorm": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, ctypes.c_float, _INT],
     "radixlm_silu_mul": [_INT, _PTR, _PTR, _I64, _INT, _INT],
     "radixlm_store_kv": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "radixlm_int8_group_size": [],
+    "radixlm_quantize_groups": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _INT],
+    "radixlm_int8_linear_available": [],
+    "radixlm_int8_linear": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
 }
 
 
@@ -59,7 +65,9 @@ def _compiler() -> str | None:
 
 
 def _library_path(cxx: str) -> Path:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for f in (*SOURCES, *HEADERS):
+        h.update(f.read_bytes())
     h.update(" ".join([cxx, *FLAGS, *sorted(cpu_flags())]).encode())
     return cache_dir() / f"cpu_ops-{h.hexdigest()[:16]}.so"
 
@@ -69,7 +77,7 @@ def _build(cxx: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")

@@ -8,8 +8,7 @@
 // (same libgomp soname, so the same thread pool), vectorised by the compiler
 // (-O3 -march=native -ffast-math), accumulating in float32.
 //
-// Element types: T = float (float32) or uint16_t (bfloat16 bits). bf16 is widened by a
-// 16-bit shift and narrowed with round-to-nearest-even, as torch does.
+// Element types: T = float (float32) or uint16_t (bfloat16 bits), converted by bf16.h.
 // Built and loaded by radixlm/kernels/cpu/build.py; called through ctypes (ops.py).
 
 #include <omp.h>
@@ -23,24 +22,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-template <typename T> inline T from_f(float f);
-template <> inline float from_f<float>(float f) { return f; }
-template <> inline uint16_t from_f<uint16_t>(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
+using radixlm::from_f;
+using radixlm::to_f;
 
 constexpr int kMaxGroup = 16;   // query heads per KV head handled by one task
 constexpr int kMaxDim = 256;    // head_dim

@@ -131,3 +131,50 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
     lib.radixlm_store_kv(_DTYPE_CODE[k.dtype], _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(k_buf),
                          _ptr(v_buf), _ptr(loc), loc.numel(), row)
     return True
+
+
+def int8_group_size() -> int:
+    """Input features per activation scale of the int8 kernels (quant_ops.cpp kGroup)."""
+    lib = load()
+    return lib.radixlm_int8_group_size() if lib is not None else 0
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x [M, K] (rows contiguous) -> (q uint8 [M, Kp] = int8 value + 128, zero-padded to Kp =
+    whole groups; scale float32 [M, Kp / group]), one symmetric scale per group of
+    int8_group_size() features. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or not _rows_ok(x):
+        return None
+    m, k = x.shape
+    group = lib.radixlm_int8_group_size()
+    ng = -(-k // group)
+    q = torch.empty((m, ng * group), dtype=torch.uint8)
+    scale = torch.empty((m, ng), dtype=torch.float32)
+    rc = lib.radixlm_quantize_groups(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, ng, _ptr(q), _ptr(scale),
+                                     torch.get_num_threads())
+    return (q, scale) if rc == 0 else None
+
+
+def int8_linear_available() -> bool:
+    """Whether the library has the prepacked int8 GEMM (built with AVX512-VNNI)."""
+    lib = load()
+    return lib is not None and lib.radixlm_int8_linear_available() == 1
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor, n: int,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] (rows contiguous) times a weight packed by int8_linear.pack_int8_weight (n
+    output columns) -> [M, n] in out_dtype, activations quantized per group inside. bias,
+    if given, is out_dtype. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
+        return None
+    if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
+        return None
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=out_dtype)
+    rc = lib.radixlm_int8_linear(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _ptr(packed), _ptr(comp),
+                                 _ptr(w_scale), n, _DTYPE_CODE[out_dtype],
+                                 _ptr(bias) if bias is not None else None, _ptr(out), n, torch.get_num_threads())
+    return out if rc == 0 else None

@@ -9,7 +9,9 @@ weight on every call, and measured here (2 cores, SmolLM2-135M shapes) the prepa
 matmul is 1.3-1.5x faster at every batch size from 1 to 128 with bit-identical output.
 The packed copy is derived state: it is built lazily on the first forward and dropped
 by `invalidate_packed()` whenever the weight may have been written (the model calls it
-for every parameter the loader or the weight updater addresses by name).
+for every parameter the loader or the weight updater addresses by name). A Linear with
+`quantization` set multiplies through an int8 copy instead (int8_linear.py), derived and
+invalidated the same way.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 
 
 def mkldnn_pack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -54,12 +58,20 @@ class Linear(nn.Module):
                      if bias else None)
         self._packed: torch.Tensor | None = None
         self._pack_ok: bool | None = None  # decided on the first forward (device/dtype known)
+        self.quantization: str | None = None  # "w8a8_int8": multiply through self._int8
+        self._int8: Int8Weight | None = None
 
     def invalidate_packed(self) -> None:
+        """Drop every copy derived from the weight (packed, quantized)."""
         self._packed = None
         self._pack_ok = None
+        self._int8 = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantization is not None:
+            if self._int8 is None:
+                self._int8 = quantize_weight(self.weight)
+            return int8_linear(x, self._int8, self.bias)
         if self._pack_ok is None:
             self._pack_ok = mkldnn_pack_supported(self.weight.dtype, self.weight.device)
         if self._pack_ok and x.dtype == self.weight.dtype:

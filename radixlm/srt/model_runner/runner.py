@@ -86,6 +86,7 @@ def default_attention_backend(device: str) -> str:
 
 class ModelRunner:
     def __init__(self, args: ServerArgs) -> None:
+        from radixlm.srt.layers.int8_linear import check_quantization
         from radixlm.srt.models.registry import build_model
         from radixlm.srt.weights.loader import (iter_weights, load_model_config, resolve_dtype,
                                                 resolve_model_path)
@@ -99,6 +100,8 @@ class ModelRunner:
         cfg = self.model_config
         self.model = build_model(cfg, self.dtype, self.device)
         self.model.load_weights(iter_weights(self.model_path, cfg))
+        check_quantization(args.quantization, self.device)
+        self.model.set_quantization(args.quantization)
         self.model.eval()
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(cfg.eos_token_ids)
@@ -158,6 +161,7 @@ class ModelRunner:
 
     def info(self) -> dict:
         return {"model_path": self.model_path, "dtype": str(self.dtype).replace("torch.", ""),
+                "quantization": self.args.quantization,
                 "device": self.device, "attention_backend": self.attention_backend_name,
                 "max_total_num_tokens": self.sizes.max_total_tokens,
                 "max_running_requests": self.sizes.max_running_requests,

@@ -13,6 +13,7 @@ from torch import nn
 
 from radixlm.config import ModelConfig
 from radixlm.srt.layers.activation import GatedMLP
+from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 from radixlm.srt.layers.linear import Embedding, Linear, mkldnn_pack_supported, pack_weight, packed_linear
 from radixlm.srt.layers.norm import RMSNorm
 from radixlm.srt.layers.rotary import BatchRope, RotaryEmbedding
@@ -93,6 +94,18 @@ class LlamaForCausalLM(nn.Module):
         # Prepacked (oneDNN) copy of a tied LM head; see layers/linear.py. Untied heads are a
         # Linear and pack themselves.
         self._tied_head_packed: torch.Tensor | None = None
+        self.quantization: str | None = None
+        self._tied_head_int8: Int8Weight | None = None
+
+    def set_quantization(self, method: str | None) -> None:
+        """Multiply every Linear (LM head included) through int8 copies of the weights
+        (method "w8a8_int8", see layers/int8_linear.py) or, with None, the float weights."""
+        self.quantization = method
+        self._tied_head_int8 = None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantization = method
+                module.invalidate_packed()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -117,6 +130,10 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight
+        if self.quantization is not None:
+            if self._tied_head_int8 is None:
+                self._tied_head_int8 = quantize_weight(weight)
+            return int8_linear(hidden, self._tied_head_int8, None, torch.float32)
         if hidden.dtype == weight.dtype and mkldnn_pack_supported(weight.dtype, weight.device):
             if self._tied_head_packed is None:
                 self._tied_head_packed = pack_weight(weight)
@@ -127,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
         """Drop the prepacked copy of a weight that the caller is about to write."""
         if pname == "model.embed_tokens.weight":
             self._tied_head_packed = None
+            self._tied_head_int8 = None
         owner = pname.rpartition(".")[0]
         try:
             module = self.get_submodule(owner)

@@ -1,0 +1,252 @@
+// W8A8 int8 linear, see radixlm/srt/layers/int8_linear.py for the scheme: int8 weights with
+// one float32 scale per output channel; activations quantized on the fly in groups of
+// kGroup consecutive input features, one scale per (token, group), as llama.cpp's Q8_0.
+// (One scale per token is the cheaper textbook W8A8, but measured on SmolLM2-135M it moved
+// the logits ten times further from float32 than groups of 32 do.)
+//   quantize_groups: x [M, K] (float32/bf16) -> q [M, Kp] uint8 = round(x * 127 / amax) + 128
+//                    per group, zero-padded to Kp (a multiple of kGroup); scales [M, Kp/kGroup]
+//   int8_linear:     quantize + GEMM over a prepacked weight + epilogue in one call:
+//                    out[m][n] = w_scale[n] * sum_g x_scale[m][g] * dot_g(q[m], w[n]) (+ bias[n])
+// The dot products use vpdpbusd (AVX512-VNNI, unsigned x signed bytes, hence the +128 and a
+// per-group correction comp[g][n] = 128 * sum over the group of w[n]). The weight is read in
+// the layout vpdpbusd consumes, packed once; nothing is re-blocked per call (oneDNN's
+// _int_mm re-orders its B operand on every call, which with weights coming from DRAM, the
+// decode case, cost it most of its speed-up over bf16).
+// Rounding is nearbyintf (round half to even, the default mode), as torch.round does.
+
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define RADIXLM_VNNI 1
+#endif
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <algorithm>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+using radixlm::from_f;
+using radixlm::to_f;
+
+constexpr int kGroup = 32;  // input features per activation scale (int8_linear.py: GROUP)
+// Same reasoning as cpu_ops.cpp: a decode batch's pass is a few microseconds of work.
+constexpr int64_t kParallelMin = 1 << 17;
+
+// Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats.
+template <typename T>
+void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q, float* scale,
+                     int nthreads) {
+  const int64_t Kp = (int64_t)ng * kGroup;
+#pragma omp parallel for num_threads(nthreads) if (M * K >= kParallelMin)
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * x_stride;
+    uint8_t* qr = q + m * Kp;
+    for (int g = 0; g < ng; ++g) {
+      const int k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+      float amax = 0.f;
+      for (int k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(to_f(xr[k])));
+      // In double, rounded once: -ffast-math may turn a float division into a reciprocal
+      // estimate, and these two numbers must equal the correctly rounded float32 ones.
+      const float inv = amax > 0.f ? (float)(127.0 / (double)amax) : 0.f;
+      for (int k = k0; k < k1; ++k) {
+        const float v = fminf(127.f, fmaxf(-127.f, nearbyintf(to_f(xr[k]) * inv)));
+        qr[k] = (uint8_t)((int)v + 128);
+      }
+      for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = 128;
+      scale[m * ng + g] = (float)((double)amax / 127.0);
+    }
+  }
+}
+
+#ifdef RADIXLM_VNNI
+// Packed weight (int8_linear.py's pack_int8_weight): tiles of 32 output columns, K padded to
+// Kp; packed[tile][kq][c][j] = w[32 * tile + c][4 * kq + j], so one k-quad of a tile is 128
+// contiguous bytes = 2 zmm operands of vpdpbusd, and a tile is one contiguous stream.
+// comp[tile][g][c] = 128 * sum of the group's weights; w_scale is padded to 32 * tiles.
+constexpr int kTileCols = 32;
+constexpr int kMR = 6;  // rows per micro-tile (see micro_tile)
+constexpr int kQuadsPerGroup = kGroup / 4;
+
+inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
+inline __m512 load_bias(const uint16_t* b, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, b);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store_row(float* o, __mmask16 mask, __m512 f) { _mm512_mask_storeu_ps(o, mask, f); }
+inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(f));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, f);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) o[i] = from_f<uint16_t>(tmp[i]);
+#endif
+}
+
+// out[MR rows][ncols] of one 32-column tile. Two 16-column blocks per row keep 6 rows x 2 blocks of int
+// and float accumulators + 2 weights + 1 broadcast = 27 zmm in registers, so each weight
+// load feeds 6 rows. The accumulators are named variables, not arrays: GCC spills arrays
+// of __m512i to the stack inside the k loop (measured 30% slower).
+template <int MR, typename TO>
+void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
+                const int32_t* comp, const float* ws, const TO* bias, TO* out, int64_t os, int ncols) {
+  static_assert(MR >= 1 && MR <= 6, "micro_tile handles 1-6 rows");
+  const __m512 zf = _mm512_setzero_ps();
+#define RADIXLM_FACC(m) __m512 f##m##0 = zf, f##m##1 = zf;
+  RADIXLM_FACC(0) RADIXLM_FACC(1) RADIXLM_FACC(2) RADIXLM_FACC(3) RADIXLM_FACC(4) RADIXLM_FACC(5)
+#undef RADIXLM_FACC
+  for (int g = 0; g < ng; ++g) {
+    const __m512i z = _mm512_setzero_si512();
+    __m512i c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z;
+    __m512i c50 = z, c51 = z;
+    const int8_t* wg = wt + (int64_t)g * kQuadsPerGroup * 128;
+    const uint8_t* xg = xq + g * kGroup;
+#pragma GCC unroll 8
+    for (int kq = 0; kq < kQuadsPerGroup; ++kq) {
+      const int8_t* wk = wg + kq * 128;
+      const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64);
+#define RADIXLM_ROW(m)                                           \
+  if constexpr (MR > m) {                                        \
+    int32_t four;                                                \
+    memcpy(&four, xg + m * xs + 4 * kq, 4);                      \
+    const __m512i a = _mm512_set1_epi32(four);                   \
+    c##m##0 = _mm512_dpbusd_epi32(c##m##0, a, w0);               \
+    c##m##1 = _mm512_dpbusd_epi32(c##m##1, a, w1);               \
+  }
+      RADIXLM_ROW(0) RADIXLM_ROW(1) RADIXLM_ROW(2) RADIXLM_ROW(3) RADIXLM_ROW(4) RADIXLM_ROW(5)
+#undef RADIXLM_ROW
+    }
+    // f += x_scale[m][g] * (dot - comp[g])
+    const int32_t* cg = comp + g * kTileCols;
+    const __m512i k0 = _mm512_loadu_si512(cg), k1 = _mm512_loadu_si512(cg + 16);
+#define RADIXLM_FOLD(m)                                                                       \
+  if constexpr (MR > m) {                                                                     \
+    const __m512 s = _mm512_set1_ps(xscale[m * ng + g]);                                      \
+    f##m##0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c##m##0, k0)), s, f##m##0); \
+    f##m##1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c##m##1, k1)), s, f##m##1); \
+  }
+    RADIXLM_FOLD(0) RADIXLM_FOLD(1) RADIXLM_FOLD(2) RADIXLM_FOLD(3) RADIXLM_FOLD(4) RADIXLM_FOLD(5)
+#undef RADIXLM_FOLD
+  }
+  const bool has_bias = bias != nullptr;
+#define RADIXLM_OUT(m, b) \
+  if constexpr (MR > m)   \
+    store_row(out + m * os + b * 16, mask, has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv));
+#define RADIXLM_BLOCK(b)                                                                   \
+  if (b * 16 < ncols) {                                                                    \
+    const int left = ncols - b * 16;                                                       \
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1); \
+    const __m512 wsv = _mm512_loadu_ps(ws + b * 16);                                       \
+    const __m512 bv = has_bias ? load_bias(bias + b * 16, mask) : zf;                      \
+    RADIXLM_OUT(0, b) RADIXLM_OUT(1, b) RADIXLM_OUT(2, b) RADIXLM_OUT(3, b) RADIXLM_OUT(4, b) RADIXLM_OUT(5, b) \
+  }
+  RADIXLM_BLOCK(0) RADIXLM_BLOCK(1)
+#undef RADIXLM_BLOCK
+#undef RADIXLM_OUT
+}
+
+template <typename TI, typename TO>
+void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* packed, const int32_t* comp,
+                 const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads) {
+  if (M <= 0) return;
+  const int ng = (K + kGroup - 1) / kGroup;
+  const int64_t Kp = (int64_t)ng * kGroup;
+  const int tiles = (N + kTileCols - 1) / kTileCols;
+  std::vector<uint8_t> xq((size_t)M * Kp);
+  std::vector<float> xs((size_t)M * ng);
+  quantize_groups<TI>(x, x_stride, M, K, ng, xq.data(), xs.data(), nthreads);
+  // Rows are split too when there are few column tiles, so both threads get equal work;
+  // tasks are tile-major, so each thread streams its own share of the weight.
+  int64_t chunks = 1;
+  const int target = 8 * nthreads;
+  if (tiles < target)
+    chunks = std::max<int64_t>(1, std::min<int64_t>((M + kMR - 1) / kMR, (target + tiles - 1) / tiles));
+  const int64_t rows_per = ((M + chunks - 1) / chunks + kMR - 1) / kMR * kMR;
+  chunks = (M + rows_per - 1) / rows_per;
+  const int64_t tasks = (int64_t)tiles * chunks;
+  const bool parallel = (int64_t)N * K >= kParallelMin || M * (int64_t)N * K >= (int64_t)1 << 22;
+#pragma omp parallel for num_threads(nthreads) if (parallel) schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int tile = (int)(t / chunks);
+    const int64_t r0 = (t % chunks) * rows_per, r1 = std::min(M, r0 + rows_per);
+    const int8_t* wt = packed + (int64_t)tile * Kp * kTileCols;
+    const int32_t* ct = comp + (int64_t)tile * ng * kTileCols;
+    const int c0 = tile * kTileCols, ncols = std::min(kTileCols, N - c0);
+    const TO* b = bias ? bias + c0 : nullptr;
+    // The first micro-tile of a tile waits on DRAM for its weights and the rest hit the
+    // cache; prefetching the next tile into L2 across this task's micro-tiles overlaps the
+    // two (tasks of one thread are consecutive, so the next tile is usually its own).
+    const bool last_chunk = t % chunks == chunks - 1 && tile + 1 < tiles;
+    const int8_t* next = wt + Kp * kTileCols;
+    const int64_t next_bytes = last_chunk ? Kp * kTileCols : 0;
+    const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
+    const int64_t per_step = (next_bytes / 64 + steps - 1) / steps * 64;
+    int64_t fetched = 0;
+    for (int64_t m0 = r0; m0 < r1; m0 += kMR) {
+      for (const int64_t end = std::min(next_bytes, fetched + per_step); fetched < end; fetched += 64)
+        _mm_prefetch((const char*)(next + fetched), _MM_HINT_T1);
+      const uint8_t* xr = xq.data() + m0 * Kp;
+      const float* sr = xs.data() + m0 * ng;
+      TO* o = out + m0 * out_stride + c0;
+      switch (std::min<int64_t>(kMR, r1 - m0)) {
+#define RADIXLM_TILE(R) \
+  case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols); break;
+        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
+#undef RADIXLM_TILE
+      }
+    }
+  }
+}
+#endif  // RADIXLM_VNNI
+
+}  // namespace
+
+// ---- C ABI: dtype 0 = float32, 1 = bfloat16. ----
+extern "C" {
+
+int radixlm_int8_group_size() { return kGroup; }
+
+// q [M, ng * group] uint8, scale [M, ng] float32.
+int radixlm_quantize_groups(int dtype, const void* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q,
+                            float* scale, int nthreads) {
+  if ((int64_t)ng * kGroup < K) return -2;
+  if (dtype == 0)
+    quantize_groups<float>((const float*)x, x_stride, M, K, ng, q, scale, nthreads);
+  else
+    quantize_groups<uint16_t>((const uint16_t*)x, x_stride, M, K, ng, q, scale, nthreads);
+  return 0;
+}
+
+int radixlm_int8_linear_available() {
+#ifdef RADIXLM_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x dtype and out dtype (bias too) each 0 = float32, 1 = bfloat16. -1: built without VNNI.
+int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                        const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                        void* out, int64_t out_stride, int nthreads) {
+#ifdef RADIXLM_VNNI
+#define RADIXLM_CALL(TI, TO)                                                                        \
+  int8_linear<TI, TO>((const TI*)x, x_stride, M, K, packed, comp, w_scale, N, (const TO*)bias, (TO*)out, \
+                      out_stride, nthreads)
+  if (x_dtype == 0 && out_dtype == 0) RADIXLM_CALL(float, float);
+  else if (x_dtype == 0) RADIXLM_CALL(float, uint16_t);
+  else if (out_dtype == 0) RADIXLM_CALL(uint16_t, float);
+  else RADIXLM_CALL(uint16_t, uint16_t);
+#undef RADIXLM_CALL
+  return 0;
+#else
+  return -1;
+#endif
+}
+
+}  // extern "C"

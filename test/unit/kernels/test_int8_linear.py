@@ -1,0 +1,124 @@
+"""W8A8 int8 linear (radixlm/srt/layers/int8_linear.py): the native per-row quantizer and
+the prepacked VNNI GEMM against their torch formulations, and the error against a float
+linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu import ops
+from radixlm.srt.layers import int8_linear as il
+
+needs_kernels = pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built")
+needs_vnni = pytest.mark.skipif(not ops.int8_linear_available(), reason="library built without AVX512-VNNI")
+
+# The integer dots are exact; the kernel sums the groups in float32 (the reference in
+# float64), and the torch path multiplies dequantized floats: a few float32 roundings, or
+# one bfloat16 ulp at a rounding boundary.
+EPILOGUE_TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-4, "rtol": 8e-3}}
+
+
+def reference(x: torch.Tensor, w: il.Int8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype):
+    """Plain torch: group quantization, exact integer dot per group, float epilogue."""
+    q, xs = il.quantize_activations(x)
+    m, k = x.shape
+    wq = torch.nn.functional.pad(w.qweight.long(), (0, q.shape[1] - k))
+    dots = torch.einsum("mgk,ngk->mng", q.long().view(m, -1, il.GROUP), wq.view(wq.shape[0], -1, il.GROUP))
+    out = (dots.double() * xs.double()[:, None, :]).sum(-1) * w.scale.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(out_dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 576), (5, 7), (33, 1536), (3, 1), (2, 70)])
+def test_quantize_groups_matches_torch(dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+    x[0] = 0  # an all-zero row: scale 0, q 0
+    zero_group = rows > 1 and cols > il.GROUP
+    if zero_group:
+        x[1, :il.GROUP] = 0  # an all-zero group in a nonzero row
+    q, scale = ops.quantize_groups(x)
+    ref_q, ref_scale = il.quantize_activations(x)
+    assert ops.int8_group_size() == il.GROUP
+    assert torch.equal(q, (ref_q.to(torch.int16) + 128).to(torch.uint8))  # uint8 = int8 + 128, padding 128
+    torch.testing.assert_close(scale, ref_scale, atol=0, rtol=0)
+    groups = ref_q.view(rows, -1, il.GROUP).abs().amax(dim=2)
+    assert torch.equal(groups == 127, scale > 0)  # every nonzero group uses the full range
+    if zero_group:
+        assert scale[1, 0] == 0 and scale[1, 1] > 0
+
+
+@needs_vnni
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 64, 64), (7, 70, 100), (13, 1536, 576), (32, 576, 3072),
+                                   (300, 64, 130), (2, 3, 17)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_kernel_matches_reference(in_dtype, out_dtype, m, k, n, with_bias):
+    """Every row count (micro-tiles of 1-6 rows, row chunks split across threads), K not a
+    multiple of the group, N not a multiple of the 16/32-column blocks: torch's numbers."""
+    g = torch.Generator().manual_seed(m * 7 + k * 3 + n)
+    w = il.quantize_weight(torch.randn(n, k, generator=g), pack=False)
+    packed = il.pack_int8_weight(w.qweight, w.scale)
+    x = torch.randn(m, k, generator=g).to(in_dtype)
+    bias = torch.randn(n, generator=g).to(out_dtype) if with_bias else None
+    got = il.int8_linear(x, packed, bias, out_dtype)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    torch.testing.assert_close(got, reference(x, w, bias, out_dtype), **EPILOGUE_TOL[out_dtype])
+    # the torch path (machines without the kernel) gives the same numbers
+    torch.testing.assert_close(il.int8_linear(x, w, bias, out_dtype), got, **EPILOGUE_TOL[out_dtype])
+
+
+@needs_vnni
+def test_packed_kernel_strided_and_batched_input():
+    g = torch.Generator().manual_seed(3)
+    w = il.quantize_weight(torch.randn(40, 24, generator=g), pack=False)
+    packed = il.pack_int8_weight(w.qweight, w.scale)
+    wide = torch.randn(9, 50, generator=g).to(torch.bfloat16)
+    x = wide[:, 10:34]  # rows 50 apart
+    torch.testing.assert_close(il.int8_linear(x, packed, None), reference(x, w, None, torch.bfloat16),
+                               **EPILOGUE_TOL[torch.bfloat16])
+    x3 = torch.randn(2, 3, 24, generator=g)
+    out3 = il.int8_linear(x3, packed, None)
+    assert out3.shape == (2, 3, 40)
+    torch.testing.assert_close(out3.reshape(6, 40), reference(x3.reshape(6, 24), w, None, torch.float32),
+                               **EPILOGUE_TOL[torch.float32])
+    assert il.int8_linear(torch.empty(0, 24), packed, None).shape == (0, 40)
+
+
+def test_quantized_linear_error_is_small():
+    """Per-channel weights and per-group activations keep a Gaussian layer within ~1.5%."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(256, 512, generator=g)
+    x = torch.randn(16, 512, generator=g)
+    for pack in (False, True) if ops.int8_linear_available() else (False,):
+        out = il.int8_linear(x, il.quantize_weight(w, pack=pack), None)
+        ref = F.linear(x, w)
+        assert ((out - ref).norm() / ref.norm()).item() < 0.015
+
+
+def test_torch_fallbacks_match_native_formulas(monkeypatch):
+    """With the library unavailable the torch path computes the same quantities."""
+    from radixlm.kernels.cpu import build as cpu_build
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 33, generator=g).to(torch.bfloat16)
+    w = il.quantize_weight(torch.randn(20, 33, generator=g), pack=False)
+    native = il.int8_linear(x, w, None)
+    monkeypatch.setattr(cpu_build, "_lib", None)
+    monkeypatch.setattr(cpu_build, "_tried", True)
+    assert il.quantize_weight(torch.randn(3, 4)).packed is None  # no library: never packed
+    torch.testing.assert_close(il.int8_linear(x, w, None), native, **EPILOGUE_TOL[torch.bfloat16])
+    torch.testing.assert_close(native, reference(x, w, None, torch.bfloat16), **EPILOGUE_TOL[torch.bfloat16])
+
+
+def test_check_quantization():
+    il.check_quantization(None, "cuda")
+    il.check_quantization("w8a8_int8", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        il.check_quantization("w8a8_int8", "cuda")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        il.check_quantization("fp8", "cpu")
