@@ -184,21 +184,27 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
     const bool last_chunk = t % chunks == chunks - 1 && tile + 1 < tiles;
     const int8_t* next = wt + Kp * kTileCols;
     const int64_t next_bytes = last_chunk ? Kp * kTileCols : 0;
+    // Rows go to micro-tiles as evenly as possible (32 rows: 6,6,5,5,5,5 rather than
+    // 6,6,6,6,6,2: a 2-row micro-tile loads the weights as often for a third of the work).
     const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
+    const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
     const int64_t per_step = (next_bytes / 64 + steps - 1) / steps * 64;
     int64_t fetched = 0;
-    for (int64_t m0 = r0; m0 < r1; m0 += kMR) {
+    int64_t m0 = r0;
+    for (int64_t step = 0; step < steps; ++step) {
       for (const int64_t end = std::min(next_bytes, fetched + per_step); fetched < end; fetched += 64)
         _mm_prefetch((const char*)(next + fetched), _MM_HINT_T1);
+      const int64_t rows = base + (step < extra ? 1 : 0);
       const uint8_t* xr = xq.data() + m0 * Kp;
       const float* sr = xs.data() + m0 * ng;
       TO* o = out + m0 * out_stride + c0;
-      switch (std::min<int64_t>(kMR, r1 - m0)) {
+      switch (rows) {
 #define RADIXLM_TILE(R) \
   case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols); break;
         RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
       }
+      m0 += rows;
     }
   }
 }
