@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
+    ap.add_argument("--page-size", type=int, default=None, help="radixlm KV page size (default: the engine's)")
     add_peer_args(ap)
     ap.add_argument("--compare-hf", action="store_true", help="alias of --peer hf")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -117,8 +118,10 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.num_prompts)
     result = {"workload": {"num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
                            "output_len": args.output_len, "model": model_path}}
-    ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype,
-                                                    "quantization": args.quantization})
+    engine_kwargs = {"model_path": model_path, "dtype": args.dtype, "quantization": args.quantization}
+    if args.page_size is not None:
+        engine_kwargs["page_size"] = args.page_size
+    ours = run_radixlm(prompts, args.output_len, engine_kwargs)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:

@@ -1,6 +1,6 @@
 """Overlap scheduling on and off, in one run: throughput and the scheduler's cost per step.
 
-    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--out F.json]
+    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--quantization w8a8_int8] [--out F.json]
 
 A decode-heavy workload of many small requests goes through the scheduler in-process
 (no IPC, no tokenizer: what is measured is the scheduler + model), once with
@@ -38,8 +38,8 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
         for o in batch.outputs:
             outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
-    sargs = ServerArgs(model_path=args.model_path, dtype=args.dtype, disable_overlap_schedule=not overlap,
-                       enable_overlap_schedule=overlap)
+    sargs = ServerArgs(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization,
+                       disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
     sched, runner = build_scheduler(sargs, collect)
 
     def submit(tag: str, n: int, out_len: int) -> None:
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     off, out_off = run_mode(False, args)

@@ -1,4 +1,4 @@
-"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp) with the system C++ compiler on first use and load it with ctypes.
+"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp) with the system C++ compiler on first use and load it with ctypes.
 
 A plain shared library (no torch headers, no Python C API) compiles in about a second,
 so no build step is needed at install time and a machine without a compiler still runs
@@ -27,7 +27,7 @@ from radixlm.kernels.cpu.cpuinfo import cpu_flags
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp"]
+SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp"]
 HEADERS = [_HERE / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
@@ -45,6 +45,7 @@ _SIGNATURES = {
     "radixlm_add_rmsnorm": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, ctypes.c_float, _INT],
     "radixlm_silu_mul": [_INT, _PTR, _PTR, _I64, _INT, _INT],
     "radixlm_store_kv": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
+    "radixlm_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR, _INT],
     "radixlm_int8_group_size": [],
     "radixlm_quantize_groups": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _INT],
     "radixlm_int8_linear_available": [],

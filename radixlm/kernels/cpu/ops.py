@@ -178,3 +178,14 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor, w_sca
                                  _ptr(w_scale), n, _DTYPE_CODE[out_dtype],
                                  _ptr(bias) if bias is not None else None, _ptr(out), n, torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of float32 x [B, V] with contiguous rows (int64 [B]). None when
+    unsupported."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not _rows_ok(x) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.radixlm_argmax_rows(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out), torch.get_num_threads())
+    return out

@@ -100,3 +100,18 @@ def test_store_kv_writes_rows_at_slots():
     assert ops.store_kv(kv[:, 2:4], kv[:, 4:], k_buf, v_buf, loc)
     assert torch.equal(k_buf[loc], kv[:, 2:4]) and torch.equal(v_buf[loc], kv[:, 4:])
     assert k_buf[[0, 1, 3, 4, 5, 6, 8]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 17), (32, 49152), (5, 100000)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    g = torch.Generator().manual_seed(rows + vocab)
+    wide = torch.randn(rows, vocab + 3, generator=g)
+    x = wide[:, :vocab]  # rows with a stride, as the sampler's vocab slice of padded logits
+    if rows >= 3 and vocab > 10:
+        x[0, :] = 2.0  # ties: the first index wins
+        x[1, 9] = float("inf")
+        x[2, 7] = float("nan")  # NaN counts as the largest value, the first one wins
+        x[2, 3] = float("nan")
+    got = ops.argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert ops.argmax_rows(x.double()) is None and ops.argmax_rows(torch.empty(2, 0)) is None
