@@ -50,6 +50,7 @@ def main() -> None:
     add_peer_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
+    ap.add_argument("--repeats", type=int, default=1, help="radixlm runs of the workload; the median is reported")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     peers = parse_peers(ap, args.peer)
@@ -60,7 +61,7 @@ def main() -> None:
                            "input_tokens": sum(map(len, prompts)), "output_len": args.output_len,
                            "model": model_path}}
     ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype,
-                                                    "quantization": args.quantization})
+                                                    "quantization": args.quantization}, args.repeats)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:
