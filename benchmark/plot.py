@@ -19,13 +19,18 @@ import os
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ENGINE_ORDER = ["radixlm", "vllm", "llamacpp", "hf"]
-COLORS = {"radixlm": "tab:red", "vllm": "tab:blue", "llamacpp": "tab:green", "hf": "tab:gray"}
+ENGINE_ORDER = ["radixlm", "radixlm-w8a8_int8", "vllm", "llamacpp", "hf"]
+COLORS = {"radixlm": "tab:red", "radixlm-w8a8_int8": "tab:orange", "vllm": "tab:blue", "llamacpp": "tab:green",
+          "hf": "tab:gray"}
 
 
 def engines_of(result: dict) -> dict[str, dict]:
-    """{key: entry} for every engine entry of a result (skipping peers that could not run)."""
-    out = {k: v for k, v in result.items() if isinstance(v, dict) and "engine" in v and "error" not in v}
+    """{key: entry} for every engine entry of a result (skipping peers that could not run); a
+    quantized radixlm run is keyed "radixlm-<method>"."""
+    out = {}
+    for k, v in result.items():
+        if isinstance(v, dict) and "engine" in v and "error" not in v:
+            out[f"{k}-{v['quantization']}" if k == "radixlm" and v.get("quantization") else k] = v
     return dict(sorted(out.items(), key=lambda kv: ENGINE_ORDER.index(kv[0]) if kv[0] in ENGINE_ORDER else 99))
 
 

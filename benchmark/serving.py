@@ -222,14 +222,22 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
+def arg_value(server_args: list[str], flag: str) -> str | None:
+    """The value given to `flag` in a radixlm serve command line (either spelling), or None."""
+    for i, a in enumerate(server_args):
+        if a == flag and i + 1 < len(server_args):
+            return server_args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def model_path_of(server_args: list[str]) -> str:
     """The model radixlm serves (its --model-path, else the default model): the vLLM peer
     serves the same weights."""
-    for i, a in enumerate(server_args):
-        if a == "--model-path" and i + 1 < len(server_args):
-            return server_args[i + 1]
-        if a.startswith("--model-path="):
-            return a.split("=", 1)[1]
+    given = arg_value(server_args, "--model-path")
+    if given is not None:
+        return given
     from radixlm.srt.weights.loader import resolve_model_path
     return resolve_model_path(None)
 
@@ -322,7 +330,8 @@ def main() -> None:
               "workload": {"dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": str(args.request_rate),
                            "max_concurrency": concs, "input_len": args.input_len if args.dataset == "random" else None,
                            "output_len": args.output_len, "ignore_eos": not args.respect_eos},
-              "radixlm": {"engine": "radixlm", "server_args": server_args, "runs": runs}}
+              "radixlm": {"engine": "radixlm", "server_args": server_args,
+                          "quantization": arg_value(server_args, "--quantization"), "runs": runs}}
     for peer in peers:
         result[peer] = run_vllm(args, concs, model_path_of(server_args))
         theirs = result[peer].get("runs")
