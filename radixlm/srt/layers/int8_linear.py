@@ -141,4 +141,4 @@ def _packed_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | No
     out = ops.int8_linear(x2, weight.packed, weight.comp, weight.scale, weight.out_features, bias, kernel_out)
     if out is None:
         raise RuntimeError("native int8 kernel refused a packed weight it reported as supported")
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
