@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.cpu import ops
+from radixlm.kernels.cpu.hugepages import empty_hugepage
 
 QUANTIZATION_METHODS = ("w8a8_int8",)
 
@@ -81,7 +82,8 @@ def pack_int8_weight(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
     wp = torch.zeros(n_pad, k_pad, dtype=torch.int8)
     wp[:n, :k] = q
     tiles = n_pad // TILE_COLS
-    packed = wp.view(tiles, TILE_COLS, k_pad // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = empty_hugepage((tiles, k_pad // 4, TILE_COLS, 4), torch.int8)  # streamed every step
+    packed.copy_(wp.view(tiles, TILE_COLS, k_pad // 4, 4).permute(0, 2, 1, 3))
     group_sums = wp.view(tiles, TILE_COLS, k_pad // GROUP, GROUP).sum(dim=3, dtype=torch.int32)
     comp = (group_sums * 128).permute(0, 2, 1).contiguous()
     scale_pad = torch.ones(n_pad, dtype=torch.float32)

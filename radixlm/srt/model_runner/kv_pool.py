@@ -6,6 +6,7 @@ batches can write their dummy tokens somewhere harmless.
 from __future__ import annotations
 
 import torch
+from radixlm.kernels.cpu.hugepages import advise_hugepages
 
 
 class MHATokenToKVPool:
@@ -34,6 +35,7 @@ class MHATokenToKVPool:
         self.v_buffer[:] = [torch.empty(shape, dtype=self.dtype, device=self.device)
                             for _ in range(self.num_layers)]
         for buf in (*self.k_buffer, *self.v_buffer):
+            advise_hugepages(buf)  # before the first touch (buf[0] below): decode streams these
             buf[0].zero_()
 
     def release(self) -> None:
