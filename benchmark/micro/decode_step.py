@@ -1,6 +1,6 @@
 """Micro-benchmark of one decode step (model forward + LM head + greedy argmax).
 
-    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--profile]
+    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--profile | --cprofile]
 
 Builds the model, a KV pool and the attention backend directly (no scheduler), fills
 the KV of `batch` requests of length `ctx` with random values, then times decode steps.
@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=200)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table (torch ops only)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile by Python function: native kernels show up as their ops.py wrappers")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--shared", type=int, default=0, help="KV slots shared by all requests")
     ap.add_argument("--backend", default="cpu", help="attention backend (cpu, torch_native, ...)")
@@ -87,6 +89,16 @@ def main() -> None:
                "threads": torch.get_num_threads(), "median_ms": round(1000 * times[len(times) // 2], 2),
                "min_ms": round(1000 * times[0], 2)}
         print(json.dumps(res))
+        if args.cprofile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                step(model, attn, r2t, lens)
+            prof.disable()
+            print("cProfile of 10 steps:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU]) as prof:
