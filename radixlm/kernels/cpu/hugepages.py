@@ -6,6 +6,10 @@ distribution default, and this machine's) memory is only backed by huge pages af
 madvise(MADV_HUGEPAGE), so large buffers that are allocated once (KV pool, packed weights)
 are advised right after allocation, before their pages are first touched.
 
+Only pages first touched after the advice are affected: buffers above glibc's mmap
+threshold (the KV pool, a large LM head) are fresh mappings and get huge pages; small ones
+may be carved from heap memory that is already backed, where the advice changes nothing.
+
 RADIXLM_HUGEPAGES=0 turns it off. Anywhere else (not Linux, not CPU, small tensors) it is a
 no-op that returns False.
 """
