@@ -1,61 +1,47 @@
-"""Ask Linux for transparent huge pages (2 MiB) under a large CPU tensor.
+"""Large CPU buffers backed by transparent huge pages (2 MiB).
 
-The decode step streams the whole KV pool slice of each layer and every weight from DRAM;
-with 4 KiB pages that is a TLB miss every 4 KiB. Where THP is in "madvise" mode (the usual
-distribution default, and this machine's) memory is only backed by huge pages after
-madvise(MADV_HUGEPAGE), so large buffers that are allocated once (KV pool, packed weights)
-are advised right after allocation, before their pages are first touched.
+The decode step streams each layer's slice of the KV pool and the packed int8 weights
+from DRAM; with 4 KiB pages that is a TLB miss every 4 KiB. Where THP is in "madvise" mode
+(the usual distribution default, and this machine's) memory is only backed by huge pages
+after madvise(MADV_HUGEPAGE), and only pages first touched after the advice. torch.empty
+cannot promise that: in a long-running process glibc serves even a 100 MiB request from
+heap memory that earlier frees left behind, already backed by small pages. So these
+buffers get their own private anonymous mapping, advised before anything touches it,
+2 MiB-aligned, and wrapped as a tensor (the tensor keeps the mapping alive; it is unmapped
+with the last reference).
 
-Only pages first touched after the advice are affected: buffers above glibc's mmap
-threshold (the KV pool, a large LM head) are fresh mappings and get huge pages; small ones
-may be carved from heap memory that is already backed, where the advice changes nothing.
-
-RADIXLM_HUGEPAGES=0 turns it off. Anywhere else (not Linux, not CPU, small tensors) it is a
-no-op that returns False.
+RADIXLM_HUGEPAGES=0 turns it off; off Linux or below 4 MiB it is plain torch.empty.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import math
+import mmap
 import os
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_libc = None
+_MIN_BYTES = 2 * HUGE_PAGE
 
 
-def _madvise():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
-
-
-def advise_hugepages(t: torch.Tensor) -> bool:
-    """madvise(MADV_HUGEPAGE) over the whole 2 MiB pages inside t's storage; True if done."""
-    if os.environ.get("RADIXLM_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    first = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    last = end // HUGE_PAGE * HUGE_PAGE
-    if last - first < HUGE_PAGE:
-        return False
-    try:
-        return _madvise()(first, last - first, _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
+def hugepages_enabled() -> bool:
+    return (os.environ.get("RADIXLM_HUGEPAGES", "1") != "0" and sys.platform.startswith("linux")
+            and hasattr(mmap, "MADV_HUGEPAGE"))
 
 
 def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty on the CPU, advised for huge pages before anything touches it."""
-    t = torch.empty(shape, dtype=dtype)
-    advise_hugepages(t)
-    return t
+    """An uninitialised contiguous CPU tensor, on huge pages where the kernel allows."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _MIN_BYTES or not hugepages_enabled():
+        return torch.empty(shape, dtype=dtype)
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return torch.empty(shape, dtype=dtype)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))  # the temporary export ends here
+    offset = (-base) % HUGE_PAGE
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).view(shape)

@@ -6,7 +6,7 @@ batches can write their dummy tokens somewhere harmless.
 from __future__ import annotations
 
 import torch
-from radixlm.kernels.cpu.hugepages import advise_hugepages
+from radixlm.kernels.cpu.hugepages import empty_hugepage
 
 
 class MHATokenToKVPool:
@@ -30,13 +30,15 @@ class MHATokenToKVPool:
 
     def allocate(self) -> None:
         shape = (self.size + 1, self.num_kv_heads, self.head_dim)
-        self.k_buffer[:] = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                            for _ in range(self.num_layers)]
-        self.v_buffer[:] = [torch.empty(shape, dtype=self.dtype, device=self.device)
-                            for _ in range(self.num_layers)]
+        self.k_buffer[:] = [self._empty(shape) for _ in range(self.num_layers)]
+        self.v_buffer[:] = [self._empty(shape) for _ in range(self.num_layers)]
         for buf in (*self.k_buffer, *self.v_buffer):
-            advise_hugepages(buf)  # before the first touch (buf[0] below): decode streams these
             buf[0].zero_()
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if torch.device(self.device).type == "cpu":  # decode streams these: huge pages
+            return empty_hugepage(shape, self.dtype)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def release(self) -> None:
         """Give the memory back (RL trainers reuse it); `allocate()` brings it back empty."""
