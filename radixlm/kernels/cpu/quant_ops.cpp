@@ -15,8 +15,10 @@
 // Rounding is nearbyintf (round half to even, the default mode), as torch.round does.
 
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RADIXLM_VNNI 1
 #endif
 #include <stdint.h>
@@ -36,6 +38,20 @@ constexpr int kGroup = 32;  // input features per activation scale (int8_linear.
 // Same reasoning as cpu_ops.cpp: a decode batch's pass is a few microseconds of work.
 constexpr int64_t kParallelMin = 1 << 17;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// 16 values times inv, rounded to nearest even (the MXCSR default, as nearbyintf), clamped,
+// + 128, stored as bytes.
+inline void store_q16(uint8_t* q, __m512 v, __m512 inv) {
+  __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+  i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_add_epi32(i, _mm512_set1_epi32(128))));
+}
+#endif
+
 // Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats.
 template <typename T>
 void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q, float* scale,
@@ -47,6 +63,18 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
     uint8_t* qr = q + m * Kp;
     for (int g = 0; g < ng; ++g) {
       const int k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      static_assert(kGroup == 32, "the vector path quantizes a group as two 16-lane halves");
+      if (k1 - k0 == kGroup) {  // a whole group: two vectors (the scalar loop ran at ~1.4 cycles/value)
+        const __m512 a = load16(xr + k0), b = load16(xr + k0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f);
+        store_q16(qr + k0, a, inv);
+        store_q16(qr + k0 + 16, b, inv);
+        scale[m * ng + g] = (float)((double)amax / 127.0);
+        continue;
+      }
+#endif
       float amax = 0.f;
       for (int k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(to_f(xr[k])));
       // In double, rounded once: -ffast-math may turn a float division into a reciprocal
