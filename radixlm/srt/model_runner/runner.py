@@ -125,7 +125,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ RL API
     def update_weights_from_tensor(self, named_tensors) -> int:
         from radixlm.srt.model_runner.weight_updater import WeightUpdater
-        return WeightUpdater(self.model).update(named_tensors)
+        n = WeightUpdater(self.model).update(named_tensors)
+        self.model.prepare_quantized()  # re-derive the int8 copies of what was written
+        return n
 
     def update_weights_from_disk(self, model_path: str) -> int:
         from radixlm.srt.model_runner.weight_updater import WeightUpdater
@@ -140,6 +142,7 @@ class ModelRunner:
         if bad:
             raise ValueError(f"{model_path} does not match the loaded model: {', '.join(bad)} differ")
         n = WeightUpdater(self.model).update(iter_weights(path, cfg))
+        self.model.prepare_quantized()
         self.model_path = path
         return n
 

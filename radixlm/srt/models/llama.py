@@ -106,6 +106,19 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quantization = method
                 module.invalidate_packed()
+        self.prepare_quantized()
+
+    def prepare_quantized(self) -> None:
+        """Build every missing int8 copy now (~0.7 s for 135M parameters) rather than in the
+        first forward after start-up or after a weight update, where it would land on a
+        request's latency."""
+        if self.quantization is None:
+            return
+        for module in self.modules():
+            if isinstance(module, Linear) and module._int8 is None:
+                module._int8 = quantize_weight(module.weight)
+        if self.lm_head is None and self._tied_head_int8 is None:
+            self._tied_head_int8 = quantize_weight(self.model.embed_tokens.weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -33,9 +33,10 @@ def test_quantized_logits_close_to_float(tiny_llama_dir, make_harness, dtype):
     model = load_model(tiny_llama_dir, cfg, dtype, "cpu")
     ref = _logits(model, make_harness, dtype)
     model.set_quantization("w8a8_int8")
-    got = _logits(model, make_harness, dtype)
+    # built at once, not by the first forward (a request's latency)
     assert all(m._int8 is not None for m in model.modules() if isinstance(m, Linear))
     assert model.lm_head is not None or model._tied_head_int8 is not None
+    got = _logits(model, make_harness, dtype)
     assert not torch.equal(got, ref)  # it did run quantized
     assert _cosine(got, ref).min().item() > 0.99
     model.set_quantization(None)  # back to the float weights, exactly
@@ -54,6 +55,11 @@ def test_weight_update_requantizes(tiny_llama_dir, make_harness):
                 torch.randn(cfg.num_key_value_heads * cfg.head_dim, cfg.hidden_size, generator=g)),
                ("model.embed_tokens.weight", torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g))]
     WeightUpdater(model).update(updates)
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    assert gate_up._int8 is None  # the stale copy is dropped
+    assert model.model.layers[0].self_attn.qkv_proj._int8 is not None  # untouched ones kept
+    model.prepare_quantized()  # what the runner does after an update
+    assert gate_up._int8 is not None
     after = _logits(model, make_harness, torch.float32)
     fresh = load_model(tiny_llama_dir, cfg, torch.float32, "cpu")
     fresh.load_state_dict(model.state_dict())
