@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_peer_args, emit, load_hf, parse_peers, run_engine_peer  # noqa: E402
+from peers.peer_io import latency_fields, time_first_and_full  # noqa: E402
 
 
 def make_prompt(tokenizer, n: int) -> list[int]:
@@ -32,29 +31,22 @@ def make_prompt(tokenizer, n: int) -> list[int]:
     return ids[-n:]
 
 
-def summarize(ttft: list[float], full: list[float], output_len: int) -> dict:
-    t, f = statistics.median(ttft), statistics.median(full)
-    return {"ttft_s": round(t, 4), "full_s": round(f, 3), "decode_ms_per_token": round(1000 * (f - t) / (output_len - 1), 2),
-            "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
-
-
 def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: str, dtype: str,
                 quantization: str | None = None) -> dict:
     from radixlm import Engine
     engine = Engine(model_path=model_path, dtype=dtype, quantization=quantization)
     engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8})  # warm-up
-    ttft, full = [], []
-    for _ in range(repeats):
-        for n, acc in ((1, ttft), (output_len, full)):
-            engine.flush_cache()
-            t0 = time.perf_counter()
-            out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": n, "temperature": 0.0,
-                                                                     "ignore_eos": True})
-            acc.append(time.perf_counter() - t0)
-            assert len(out["output_ids"]) == n
+
+    def gen(n: int) -> int:
+        out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": n, "temperature": 0.0,
+                                                                 "ignore_eos": True})
+        return len(out["output_ids"])
+
+    ttft, full = time_first_and_full(gen, output_len, repeats, before_each=engine.flush_cache)
     info = engine.get_server_info()
     engine.shutdown()
-    return {"engine": "radixlm", "dtype": info["dtype"], "quantization": info.get("quantization"), **summarize(ttft, full, output_len)}
+    return {"engine": "radixlm", "dtype": info["dtype"], "quantization": info.get("quantization"),
+            **latency_fields(ttft, full, output_len)}
 
 
 def run_hf(prompt: list[int], output_len: int, repeats: int, model_path: str) -> dict:
@@ -64,19 +56,15 @@ def run_hf(prompt: list[int], output_len: int, repeats: int, model_path: str) ->
     mask = torch.ones_like(ids)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
-    def gen(n: int) -> float:
-        t0 = time.perf_counter()
+    def gen(n: int) -> int:
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=pad)
-        return time.perf_counter() - t0
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad)
+        return out.shape[1] - ids.shape[1]
 
     gen(8)
-    ttft, full = [], []
-    for _ in range(repeats):
-        ttft.append(gen(1))
-        full.append(gen(output_len))
-    return {"engine": "hf-transformers", "dtype": "float32", **summarize(ttft, full, output_len)}
+    ttft, full = time_first_and_full(gen, output_len, repeats)
+    return {"engine": "hf-transformers", "dtype": "float32", **latency_fields(ttft, full, output_len)}
 
 
 def main() -> None:

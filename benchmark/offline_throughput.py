@@ -21,6 +21,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers,  # noqa: E402
                     run_engine_peer)
+from peers.peer_io import cached_tokens_total, throughput_fields  # noqa: E402
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
           "photosynthesis", "machine learning", "the water cycle", "plate tectonics",
@@ -63,13 +64,10 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict, 
     engine.shutdown()
     out_tokens = sum(len(o["output_ids"]) for o in outs)
     cached = [o.get("meta_info", {}).get("cached_tokens") for o in outs]
-    return {"engine": "radixlm", "load_s": round(load_s, 2), "wall_s": round(wall, 3),
-            "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
-            "total_tok_per_s": round((out_tokens + sum(map(len, prompts))) / wall, 1),
+    return {"engine": "radixlm", "load_s": round(load_s, 2), **throughput_fields(prompts, out_tokens, wall),
             "runs_output_tok_per_s": [round(out_tokens / w, 1) for w in walls],
             "dtype": info["dtype"], "quantization": info.get("quantization"),
-            "attention_backend": info["attention_backend"],
-            "cached_tokens_total": sum(c for c in cached if c) if any(c is not None for c in cached) else None,
+            "attention_backend": info["attention_backend"], "cached_tokens_total": cached_tokens_total(cached),
             "outputs": [o["output_ids"] for o in outs]}
 
 
@@ -79,8 +77,7 @@ def run_hf(prompts: list[list[int]], output_len: int, model_path: str, batch_siz
     outputs = hf_generate(model, prompts, output_len, batch_size)
     wall = time.perf_counter() - t0
     out_tokens = sum(len(o) for o in outputs)
-    return {"engine": "hf-transformers", "load_s": load_s, "wall_s": round(wall, 3),
-            "output_tokens": out_tokens, "output_tok_per_s": round(out_tokens / wall, 1),
+    return {"engine": "hf-transformers", "load_s": load_s, **throughput_fields(prompts, out_tokens, wall),
             "dtype": "float32", "batch_size": batch_size, "outputs": outputs}
 
 

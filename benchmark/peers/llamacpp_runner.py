@@ -18,25 +18,21 @@ sequences (llama_memory_seq_cp on a unified KV cache); only each prompt's suffix
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import statistics
-import sys
 import time
 
 import numpy as np
+from peer_io import latency_fields, read_spec, spec_prompts, throughput_fields, time_first_and_full, write_result
 
 _QUIET = None
 
 
 def main() -> None:
-    spec_path, out_path = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec, out_path = read_spec()
     import llama_cpp as L
 
     mode = spec["mode"]
-    prompts = spec["prompts"] if mode == "generate" else [spec["prompt"]]
+    prompts = spec_prompts(spec)
     output_len = spec["output_len"]
     max_seqs = min(spec.get("max_num_seqs", 32), len(prompts))
     shared = spec.get("shared_prefix_len", 0) if mode == "generate" else 0
@@ -150,31 +146,16 @@ def main() -> None:
         t0 = time.perf_counter()
         outputs, info = generate(prompts, output_len, shared)
         wall = time.perf_counter() - t0
-        n = sum(map(len, outputs))
-        result = {**common, **info, "wall_s": round(wall, 3), "output_tokens": n,
-                  "output_tok_per_s": round(n / wall, 1),
-                  "total_tok_per_s": round((n + sum(map(len, prompts))) / wall, 1),
+        result = {**common, **info, **throughput_fields(prompts, sum(map(len, outputs)), wall),
                   "shared_prefix_tokens_computed_once": shared or None, "outputs": outputs}
     else:
-        ttft, full = [], []
-        for _ in range(spec.get("repeats", 5)):
-            for n, acc in ((1, ttft), (output_len, full)):
-                t0 = time.perf_counter()
-                out, _ = generate(prompts, n)
-                acc.append(time.perf_counter() - t0)
-                assert len(out[0]) == n
-        t, f = statistics.median(ttft), statistics.median(full)
-        result = {**common, "ttft_s": round(t, 4), "full_s": round(f, 3),
-                  "decode_ms_per_token": round(1000 * (f - t) / (output_len - 1), 2),
-                  "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
+        ttft, full = time_first_and_full(lambda n: len(generate(prompts, n)[0][0]), output_len,
+                                         spec.get("repeats", 5))
+        result = {**common, **latency_fields(ttft, full, output_len)}
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    text = json.dumps(result)
-    if out_path:
-        with open(out_path, "w") as f:
-            f.write(text)
-    print(text)
+    write_result(result, out_path)
 
 
 if __name__ == "__main__":

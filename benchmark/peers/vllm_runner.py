@@ -11,23 +11,22 @@ The result JSON is written to RESULT.json (and printed last on stdout).
 """
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
 import time
 
+from peer_io import (cached_tokens_total, latency_fields, read_spec, spec_prompts, throughput_fields,
+                     time_first_and_full, write_result)
+
 
 def main() -> None:
-    spec_path, out_path = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec, out_path = read_spec()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     mode = spec["mode"]
-    prompts = spec["prompts"] if mode == "generate" else [spec["prompt"]]
+    prompts = spec_prompts(spec)
     output_len = spec["output_len"]
     max_len = max(map(len, prompts)) + output_len
     t0 = time.perf_counter()
@@ -57,31 +56,14 @@ def main() -> None:
         outs = gen(prompts, output_len)
         wall = time.perf_counter() - t0
         outputs = [list(o.outputs[0].token_ids) for o in outs]
-        n = sum(map(len, outputs))
         cached = [getattr(o, "num_cached_tokens", None) for o in outs]
-        result = {**common, "wall_s": round(wall, 3), "output_tokens": n, "output_tok_per_s": round(n / wall, 1),
-                  "total_tok_per_s": round((n + sum(map(len, prompts))) / wall, 1),
-                  "cached_tokens_total": sum(c for c in cached if c) if any(c is not None for c in cached) else None,
-                  "outputs": outputs}
+        result = {**common, **throughput_fields(prompts, sum(map(len, outputs)), wall),
+                  "cached_tokens_total": cached_tokens_total(cached), "outputs": outputs}
     else:
-        ttft, full = [], []
-        for _ in range(spec.get("repeats", 5)):
-            for n, acc in ((1, ttft), (output_len, full)):
-                llm.reset_prefix_cache()
-                t0 = time.perf_counter()
-                out = gen(prompts, n)
-                acc.append(time.perf_counter() - t0)
-                assert len(out[0].outputs[0].token_ids) == n
-        t, f = statistics.median(ttft), statistics.median(full)
-        result = {**common, "ttft_s": round(t, 4), "full_s": round(f, 3),
-                  "decode_ms_per_token": round(1000 * (f - t) / (output_len - 1), 2),
-                  "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
-    text = json.dumps(result)
-    if out_path:
-        with open(out_path, "w") as f:
-            f.write(text)
-    print(text)
-    sys.stdout.flush()
+        ttft, full = time_first_and_full(lambda n: len(gen(prompts, n)[0].outputs[0].token_ids), output_len,
+                                         spec.get("repeats", 5), before_each=llm.reset_prefix_cache)
+        result = {**common, **latency_fields(ttft, full, output_len)}
+    write_result(result, out_path)
     try:  # stop the engine-core process now rather than at interpreter exit
         llm.llm_engine.engine_core.shutdown()
     except Exception as e:  # noqa: BLE001 - the result is already written
