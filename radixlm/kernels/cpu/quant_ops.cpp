@@ -39,10 +39,9 @@ constexpr int kGroup = 32;  // input features per activation scale (int8_linear.
 constexpr int64_t kParallelMin = 1 << 17;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+inline __m512 load16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
 // 16 values times inv, rounded to nearest even (the MXCSR default, as nearbyintf), clamped,
 // + 128, stored as bytes.
 inline void store_q16(uint8_t* q, __m512 v, __m512 inv) {
@@ -100,10 +99,7 @@ constexpr int kMR = 6;  // rows per micro-tile (see micro_tile)
 constexpr int kQuadsPerGroup = kGroup / 4;
 
 inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
-inline __m512 load_bias(const uint16_t* b, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, b);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load_bias(const uint16_t* b, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, b)); }
 inline void store_row(float* o, __mmask16 mask, __m512 f) { _mm512_mask_storeu_ps(o, mask, f); }
 inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
 #if defined(__AVX512BF16__)

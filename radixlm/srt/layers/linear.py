@@ -67,11 +67,15 @@ class Linear(nn.Module):
         self._pack_ok = None
         self._int8 = None
 
+    def int8_weight(self) -> Int8Weight:
+        """The int8 copy of the weight, built if missing."""
+        if self._int8 is None:
+            self._int8 = quantize_weight(self.weight)
+        return self._int8
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
-            if self._int8 is None:
-                self._int8 = quantize_weight(self.weight)
-            return int8_linear(x, self._int8, self.bias)
+            return int8_linear(x, self.int8_weight(), self.bias)
         if self._pack_ok is None:
             self._pack_ok = mkldnn_pack_supported(self.weight.dtype, self.weight.device)
         if self._pack_ok and x.dtype == self.weight.dtype:

@@ -115,10 +115,16 @@ class LlamaForCausalLM(nn.Module):
         if self.quantization is None:
             return
         for module in self.modules():
-            if isinstance(module, Linear) and module._int8 is None:
-                module._int8 = quantize_weight(module.weight)
-        if self.lm_head is None and self._tied_head_int8 is None:
+            if isinstance(module, Linear):
+                module.int8_weight()
+        if self.lm_head is None:
+            self._tied_head_int8_weight()
+
+    def _tied_head_int8_weight(self) -> Int8Weight:
+        """The int8 copy of a tied LM head (the embedding), built if missing."""
+        if self._tied_head_int8 is None:
             self._tied_head_int8 = quantize_weight(self.model.embed_tokens.weight)
+        return self._tied_head_int8
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -144,9 +150,7 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         weight = self.model.embed_tokens.weight
         if self.quantization is not None:
-            if self._tied_head_int8 is None:
-                self._tied_head_int8 = quantize_weight(weight)
-            return int8_linear(hidden, self._tied_head_int8, None, torch.float32)
+            return int8_linear(hidden, self._tied_head_int8_weight(), None, torch.float32)
         if hidden.dtype == weight.dtype and mkldnn_pack_supported(weight.dtype, weight.device):
             if self._tied_head_packed is None:
                 self._tied_head_packed = pack_weight(weight)
