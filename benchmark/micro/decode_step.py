@@ -1,6 +1,6 @@
 """Micro-benchmark of one decode step (model forward + LM head + greedy argmax).
 
-    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--profile | --cprofile]
+    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--layout interleaved] [--profile | --cprofile]
 
 Builds the model, a KV pool and the attention backend directly (no scheduler), fills
 the KV of `batch` requests of length `ctx` with random values, then times decode steps.
@@ -16,7 +16,7 @@ import torch
 
 
 def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str = "torch_native",
-          quantization: str | None = None):
+          quantization: str | None = None, layout: str = "contiguous"):
     from radixlm.srt.model_runner.attention.base import create_attention_backend
     from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
     from radixlm.srt.models.registry import build_model
@@ -38,7 +38,13 @@ def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str =
     stride = ctx + 64
     req_to_token = torch.zeros(batch, stride, dtype=torch.int64)
     for i in range(batch):
-        req_to_token[i] = torch.arange(1 + i * stride, 1 + (i + 1) * stride)
+        if layout == "interleaved":  # token t of request i in slot 1 + t * batch + i, as decode steps allocate
+            req_to_token[i] = 1 + torch.arange(stride) * batch + i
+        else:
+            req_to_token[i] = torch.arange(1 + i * stride, 1 + (i + 1) * stride)
+    if layout == "scattered":  # a free list fragmented by many finished requests
+        perm = 1 + torch.randperm(total - 1, generator=torch.Generator().manual_seed(0))
+        req_to_token = perm[req_to_token - 1]
     if shared:  # every request starts with request 0's first `shared` slots (a radix prefix)
         req_to_token[:, :shared] = req_to_token[0, :shared]
     return model, attn, req_to_token, dtype
@@ -66,12 +72,15 @@ def main() -> None:
                     help="cProfile by Python function: native kernels show up as their ops.py wrappers")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--shared", type=int, default=0, help="KV slots shared by all requests")
+    ap.add_argument("--layout", choices=("contiguous", "interleaved", "scattered"), default="contiguous",
+                    help="each request's slots adjacent, interleaved with the others' (the engine's decode "
+                         "tokens) or in random order")
     ap.add_argument("--backend", default="cpu", help="attention backend (cpu, torch_native, ...)")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
     ap.add_argument("--max-group-keys", type=int, default=None, help="override the backend's cap")
     args = ap.parse_args()
     model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared, args.backend,
-                                    args.quantization)
+                                    args.quantization, args.layout)
     if args.max_group_keys is not None:
         attn.max_group_keys = args.max_group_keys
     lens = [args.ctx - (i % 7) * 3 for i in range(args.batch)]  # slightly ragged, like real batches
@@ -84,7 +93,7 @@ def main() -> None:
             step(model, attn, r2t, lens)
             times.append(time.perf_counter() - t0)
         times.sort()
-        res = {"backend": args.backend, "batch": args.batch, "ctx": args.ctx, "shared": args.shared, "dtype": str(dtype).replace("torch.", ""),
+        res = {"backend": args.backend, "batch": args.batch, "ctx": args.ctx, "shared": args.shared, "layout": args.layout, "dtype": str(dtype).replace("torch.", ""),
                "quantization": args.quantization,
                "threads": torch.get_num_threads(), "median_ms": round(1000 * times[len(times) // 2], 2),
                "min_ms": round(1000 * times[0], 2)}

@@ -112,19 +112,33 @@ inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
 #endif
 }
 
+// The next tile's weights, prefetched a few lines per group while this tile computes:
+// in one burst per micro-tile the prefetches filled the miss buffers and stalled the loads
+// of the computation.
+struct TilePrefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+  int per_group = 0;
+  inline void some() {
+    for (int i = 0; i < per_group && lines > 0; ++i, --lines, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
+};
+
 // out[MR rows][ncols] of one 32-column tile. Two 16-column blocks per row keep 6 rows x 2 blocks of int
 // and float accumulators + 2 weights + 1 broadcast = 27 zmm in registers, so each weight
 // load feeds 6 rows. The accumulators are named variables, not arrays: GCC spills arrays
 // of __m512i to the stack inside the k loop (measured 30% slower).
 template <int MR, typename TO>
 void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
-                const int32_t* comp, const float* ws, const TO* bias, TO* out, int64_t os, int ncols) {
+                const int32_t* comp, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
+                TilePrefetch& pf) {
   static_assert(MR >= 1 && MR <= 6, "micro_tile handles 1-6 rows");
   const __m512 zf = _mm512_setzero_ps();
 #define RADIXLM_FACC(m) __m512 f##m##0 = zf, f##m##1 = zf;
   RADIXLM_FACC(0) RADIXLM_FACC(1) RADIXLM_FACC(2) RADIXLM_FACC(3) RADIXLM_FACC(4) RADIXLM_FACC(5)
 #undef RADIXLM_FACC
   for (int g = 0; g < ng; ++g) {
+    pf.some();
     const __m512i z = _mm512_setzero_si512();
     __m512i c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z;
     __m512i c50 = z, c51 = z;
@@ -203,8 +217,10 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
     const int c0 = tile * kTileCols, ncols = std::min(kTileCols, N - c0);
     const TO* b = bias ? bias + c0 : nullptr;
     // The first micro-tile of a tile waits on DRAM for its weights and the rest hit the
-    // cache; prefetching the next tile into L2 across this task's micro-tiles overlaps the
-    // two (tasks of one thread are consecutive, so the next tile is usually its own).
+    // cache; prefetching the next tile across this task's micro-tiles overlaps the two
+    // (tasks of one thread are consecutive, so the next tile is usually its own). Measured
+    // on 30 layers' weights streamed from DRAM at batch 32: 17.5 -> 15.9 ms per pass, warm
+    // caches 14.5 ms; T0 beat T1, and spreading twice as densely was slower.
     const bool last_chunk = t % chunks == chunks - 1 && tile + 1 < tiles;
     const int8_t* next = wt + Kp * kTileCols;
     const int64_t next_bytes = last_chunk ? Kp * kTileCols : 0;
@@ -212,19 +228,19 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
     // 6,6,6,6,6,2: a 2-row micro-tile loads the weights as often for a third of the work).
     const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
     const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
-    const int64_t per_step = (next_bytes / 64 + steps - 1) / steps * 64;
-    int64_t fetched = 0;
+    TilePrefetch pf;
+    pf.p = (const char*)next;
+    pf.lines = next_bytes / 64;
+    pf.per_group = (int)((pf.lines + steps * ng - 1) / (steps * ng));
     int64_t m0 = r0;
     for (int64_t step = 0; step < steps; ++step) {
-      for (const int64_t end = std::min(next_bytes, fetched + per_step); fetched < end; fetched += 64)
-        _mm_prefetch((const char*)(next + fetched), _MM_HINT_T1);
       const int64_t rows = base + (step < extra ? 1 : 0);
       const uint8_t* xr = xq.data() + m0 * Kp;
       const float* sr = xs.data() + m0 * ng;
       TO* o = out + m0 * out_stride + c0;
       switch (rows) {
 #define RADIXLM_TILE(R) \
-  case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols); break;
+  case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf); break;
         RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
       }
