@@ -31,6 +31,7 @@ QUANTIZATION_METHODS = ("w8a8_int8",)
 
 GROUP = 32       # input features per activation scale (quant_ops.cpp kGroup)
 TILE_COLS = 32   # output columns per tile of the packed layout (quant_ops.cpp kTileCols)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # rows the native kernel reads and writes
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Int8Weight:
     qweight: torch.Tensor | None = None   # [out, in] int8 (torch path)
     packed: torch.Tensor | None = None    # tile layout of quant_ops.cpp (native path)
     comp: torch.Tensor | None = None      # [tiles, groups, 32] int32: 128 * sum of each group
+    gemm: ops.Int8Gemm | None = None      # packed/comp/scale bound to the native kernel
 
 
 def check_quantization(method: str | None, device: str) -> None:
@@ -88,7 +90,8 @@ def pack_int8_weight(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
     comp = (group_sums * 128).permute(0, 2, 1).contiguous()
     scale_pad = torch.ones(n_pad, dtype=torch.float32)
     scale_pad[:n] = scale
-    return Int8Weight(n, k, scale_pad, packed=packed, comp=comp)
+    gemm = ops.Int8Gemm(packed, comp, scale_pad, n, k) if native_available() else None
+    return Int8Weight(n, k, scale_pad, packed=packed, comp=comp, gemm=gemm)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +112,10 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] in out_dtype (default x.dtype)."""
     out_dtype = out_dtype or x.dtype
+    gemm = weight.gemm
+    if (gemm is not None and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_DTYPES
+            and out_dtype in _NATIVE_DTYPES and (bias is None or (bias.dtype == out_dtype and bias.is_contiguous()))):
+        return gemm(x, bias, out_dtype)  # the decode hot path: checks above, nothing else in Python
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if weight.packed is not None:
@@ -132,9 +139,8 @@ def _torch_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | Non
 def _packed_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,
                    out_dtype: torch.dtype) -> torch.Tensor:
     # The kernel takes float32/bf16 rows in and out; anything else (float16) goes through float32.
-    native_dtypes = (torch.float32, torch.bfloat16)
-    kernel_out = out_dtype if out_dtype in native_dtypes else torch.float32
-    if x2.dtype not in native_dtypes:
+    kernel_out = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
+    if x2.dtype not in _NATIVE_DTYPES:
         x2 = x2.float()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -90,6 +90,24 @@ def test_packed_kernel_strided_and_batched_input():
     assert il.int8_linear(torch.empty(0, 24), packed, None).shape == (0, 40)
 
 
+@needs_vnni
+def test_bound_gemm_matches_the_checked_call():
+    """The decode fast path (Int8Weight.gemm, pointers bound once) gives bit-identical results
+    to the generic checked call, and inputs it does not take (float16, a bias in another
+    dtype) still go through the generic path."""
+    g = torch.Generator().manual_seed(6)
+    packed = il.quantize_weight(torch.randn(70, 64, generator=g))
+    assert packed.gemm is not None and packed.packed is not None
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(70, generator=g).to(torch.bfloat16)
+    generic = ops.int8_linear(x, packed.packed, packed.comp, packed.scale, 70, bias, torch.bfloat16)
+    assert torch.equal(packed.gemm(x, bias, torch.bfloat16), generic)
+    assert torch.equal(il.int8_linear(x, packed, bias), generic)
+    half = il.int8_linear(x.to(torch.float16), packed, bias.float(), torch.float16)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), generic.float(), atol=2e-2, rtol=1e-2)
+
+
 def test_quantized_linear_error_is_small():
     """Per-channel weights and per-group activations keep a Gaussian layer within ~1.5%."""
     g = torch.Generator().manual_seed(4)
