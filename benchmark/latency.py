@@ -1,7 +1,7 @@
 """Single-stream latency: one request, a 42-token chat prompt, 128 new tokens (greedy, EOS
 ignored); prints one JSON object.
 
-    python benchmark/latency.py --prompt-len 42 --output-len 128 [--repeats 5] [--peer hf,vllm,llamacpp]
+    python benchmark/latency.py --prompt-len 42 --output-len 128 [--repeats 5] [--kv-cache-dtype int8] [--peer hf,vllm,llamacpp]
 
 TTFT is the wall time of the same request with max_new_tokens=1 (prefill + first token +
 engine round trip, radix cache flushed before each run); decode ms/token is
@@ -32,9 +32,9 @@ def make_prompt(tokenizer, n: int) -> list[int]:
 
 
 def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: str, dtype: str,
-                quantization: str | None = None) -> dict:
+                quantization: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     from radixlm import Engine
-    engine = Engine(model_path=model_path, dtype=dtype, quantization=quantization)
+    engine = Engine(model_path=model_path, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8})  # warm-up
 
     def gen(n: int) -> int:
@@ -46,7 +46,7 @@ def run_radixlm(prompt: list[int], output_len: int, repeats: int, model_path: st
     info = engine.get_server_info()
     engine.shutdown()
     return {"engine": "radixlm", "dtype": info["dtype"], "quantization": info.get("quantization"),
-            **latency_fields(ttft, full, output_len)}
+            "kv_cache_dtype": info.get("kv_cache_dtype"), **latency_fields(ttft, full, output_len)}
 
 
 def run_hf(prompt: list[int], output_len: int, repeats: int, model_path: str) -> dict:
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="radixlm KV cache storage (int8: per token and head scales)")
     add_peer_args(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -85,7 +86,7 @@ def main() -> None:
     result = {"workload": {"prompt_tokens": len(prompt), "output_len": args.output_len, "repeats": args.repeats,
                            "model": model_path},
               "radixlm": run_radixlm(prompt, args.output_len, args.repeats, model_path, args.dtype,
-                                         args.quantization)}
+                                         args.quantization, args.kv_cache_dtype)}
     for peer in peers:
         if peer == "hf":
             result["hf"] = run_hf(prompt, args.output_len, args.repeats, model_path)

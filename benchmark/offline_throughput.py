@@ -1,6 +1,6 @@
 """Offline throughput: N chat prompts, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--quantization w8a8_int8] [--repeats 5] [--peer hf,vllm,llamacpp] [--out F.json]
+    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--quantization w8a8_int8] [--kv-cache-dtype int8] [--repeats 5] [--peer hf,vllm,llamacpp] [--out F.json]
 
 Each --peer generates the same prompts (same token ids, greedy, EOS ignored, exactly
 --output-len tokens each) in the same run, and the ratio of output tokens/s is reported
@@ -67,7 +67,7 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict, 
     return {"engine": "radixlm", "load_s": round(load_s, 2), **throughput_fields(prompts, out_tokens, wall),
             "runs_output_tok_per_s": [round(out_tokens / w, 1) for w in walls],
             "dtype": info["dtype"], "quantization": info.get("quantization"),
-            "attention_backend": info["attention_backend"], "cached_tokens_total": cached_tokens_total(cached),
+            "kv_cache_dtype": info.get("kv_cache_dtype"), "attention_backend": info["attention_backend"], "cached_tokens_total": cached_tokens_total(cached),
             "outputs": [o["output_ids"] for o in outs]}
 
 
@@ -105,6 +105,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="radixlm KV cache storage (int8: per token and head scales)")
     ap.add_argument("--page-size", type=int, default=None, help="radixlm KV page size (default: the engine's)")
     ap.add_argument("--repeats", type=int, default=1, help="radixlm runs of the workload; the median is reported")
     add_peer_args(ap)
@@ -122,7 +123,8 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.num_prompts)
     result = {"workload": {"num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
                            "output_len": args.output_len, "model": model_path}}
-    engine_kwargs = {"model_path": model_path, "dtype": args.dtype, "quantization": args.quantization}
+    engine_kwargs = {"model_path": model_path, "dtype": args.dtype, "quantization": args.quantization,
+                     "kv_cache_dtype": args.kv_cache_dtype}
     if args.page_size is not None:
         engine_kwargs["page_size"] = args.page_size
     ours = run_radixlm(prompts, args.output_len, engine_kwargs, args.repeats)

@@ -1,6 +1,6 @@
 """Overlap scheduling on and off, in one run: throughput and the scheduler's cost per step.
 
-    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--quantization w8a8_int8] [--out F.json]
+    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--quantization w8a8_int8] [--kv-cache-dtype int8] [--out F.json]
 
 A decode-heavy workload of many small requests goes through the scheduler in-process
 (no IPC, no tokenizer: what is measured is the scheduler + model), once with
@@ -39,6 +39,7 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
             outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
     sargs = ServerArgs(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization,
+                       kv_cache_dtype=args.kv_cache_dtype,
                        disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
     sched, runner = build_scheduler(sargs, collect)
 
@@ -85,7 +86,8 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
            "forward_idle_fraction": round(idle / (busy + idle), 4) if busy + idle else 0.0,
            "scheduler_cpu_ms_per_step": round(1000 * sched_cpu / steps, 3),
            "scheduler_cpu_fraction": round(sched_cpu / wall, 4),
-           "dtype": str(runner.dtype).replace("torch.", ""),
+           "dtype": str(runner.dtype).replace("torch.", ""), "quantization": args.quantization,
+           "kv_cache_dtype": runner.kv_pool.kv_cache_dtype,
            "attention_backend": runner.attention_backend_name}
     if sched.worker is not None:
         sched.worker.shutdown()
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     off, out_off = run_mode(False, args)

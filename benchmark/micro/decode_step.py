@@ -1,6 +1,6 @@
 """Micro-benchmark of one decode step (model forward + LM head + greedy argmax).
 
-    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--layout interleaved] [--profile | --cprofile]
+    python benchmark/micro/decode_step.py --batch 32 --ctx 200 [--dtype bfloat16] [--quantization w8a8_int8] [--kv-cache-dtype int8] [--layout interleaved] [--profile | --cprofile]
 
 Builds the model, a KV pool and the attention backend directly (no scheduler), fills
 the KV of `batch` requests of length `ctx` with random values, then times decode steps.
@@ -16,7 +16,7 @@ import torch
 
 
 def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str = "torch_native",
-          quantization: str | None = None, layout: str = "contiguous"):
+          quantization: str | None = None, layout: str = "contiguous", kv_cache_dtype: str = "auto"):
     from radixlm.srt.model_runner.attention.base import create_attention_backend
     from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
     from radixlm.srt.models.registry import build_model
@@ -30,9 +30,16 @@ def build(dtype_name: str, batch: int, ctx: int, shared: int = 0, backend: str =
     model.set_quantization(quantization)
     model.eval()
     total = batch * (ctx + 64) + 1
-    pool = MHATokenToKVPool(total, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    pool = MHATokenToKVPool(total, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                            kv_cache_dtype=kv_cache_dtype)
+    gen = torch.Generator().manual_seed(0)
     for b in (*pool.k_buffer, *pool.v_buffer):
-        b[1:].normal_()
+        if pool.quantized:  # int8 values over the whole range, as quantize_kv writes them
+            b[1:] = torch.randint(-127, 128, b[1:].shape, dtype=torch.int8, generator=gen)
+        else:
+            b[1:].normal_(generator=gen)
+    for s in (*pool.k_scale, *pool.v_scale):  # int8 pools only: dequantized values of ~N(0, 1) size
+        s[1:] = torch.empty(s[1:].shape).uniform_(0.01, 0.05, generator=gen)
     attn = create_attention_backend(backend, pool, cfg.num_attention_heads,
                                     cfg.num_key_value_heads, cfg.head_dim)
     stride = ctx + 64
@@ -77,10 +84,11 @@ def main() -> None:
                          "tokens) or in random order")
     ap.add_argument("--backend", default="cpu", help="attention backend (cpu, torch_native, ...)")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--max-group-keys", type=int, default=None, help="override the backend's cap")
     args = ap.parse_args()
     model, attn, r2t, dtype = build(args.dtype, args.batch, args.ctx, args.shared, args.backend,
-                                    args.quantization, args.layout)
+                                    args.quantization, args.layout, args.kv_cache_dtype)
     if args.max_group_keys is not None:
         attn.max_group_keys = args.max_group_keys
     lens = [args.ctx - (i % 7) * 3 for i in range(args.batch)]  # slightly ragged, like real batches
@@ -94,7 +102,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         times.sort()
         res = {"backend": args.backend, "batch": args.batch, "ctx": args.ctx, "shared": args.shared, "layout": args.layout, "dtype": str(dtype).replace("torch.", ""),
-               "quantization": args.quantization,
+               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "threads": torch.get_num_threads(), "median_ms": round(1000 * times[len(times) // 2], 2),
                "min_ms": round(1000 * times[0], 2)}
         print(json.dumps(res))

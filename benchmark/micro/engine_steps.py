@@ -1,6 +1,6 @@
 """Profile the scheduler + model runner in one process (no IPC, no tokenizer/detokenizer).
 
-    python benchmark/micro/engine_steps.py --num 32 --prompt-len 40 --output-len 64 [--quantization w8a8_int8] [--profile]
+    python benchmark/micro/engine_steps.py --num 32 --prompt-len 40 --output-len 64 [--quantization w8a8_int8] [--kv-cache-dtype int8] [--profile]
 
 Reports the mean wall time per decode step and, with --profile, a cProfile of the whole run
 sorted by cumulative time, to separate model time from per-step Python in the runner and
@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
     ap.add_argument("--shared-prefix", type=int, default=0, help="leading ids common to all prompts")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--torch-profile", action="store_true", help="op-level table instead of cProfile")
@@ -30,8 +31,8 @@ def main() -> None:
     from radixlm.sampling_params import SamplingParams
     from radixlm.srt.scheduler_process import build_scheduler
 
-    sched, runner = build_scheduler(ServerArgs(model_path=None, dtype=args.dtype,
-                                                          quantization=args.quantization), lambda out: None)
+    sched, runner = build_scheduler(ServerArgs(model_path=None, dtype=args.dtype, quantization=args.quantization,
+                                               kv_cache_dtype=args.kv_cache_dtype), lambda out: None)
 
     def run(tag: str, n: int, out_len: int) -> float:
         for i in range(n):
@@ -59,7 +60,8 @@ def main() -> None:
     if prof:
         prof.disable()
     print({"num": args.num, "output_len": args.output_len, "wall_s": round(wall, 3),
-           "output_tok_per_s": round(args.num * args.output_len / wall, 1), "dtype": str(runner.dtype)})
+           "output_tok_per_s": round(args.num * args.output_len / wall, 1), "dtype": str(runner.dtype),
+           "quantization": args.quantization, "kv_cache_dtype": runner.kv_pool.kv_cache_dtype})
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(35)
 

@@ -26,8 +26,9 @@ def build_hiradix_cache(args: "ServerArgs", req_to_token_pool: "ReqToTokenPool",
                         copy_hook: Callable[[str], None] | None = None,
                         min_free_bytes: int = MIN_FREE_RAM_BYTES) -> HiRadixCache:
     """Host pool (sized from `hicache_size` GB or `hicache_ratio`) + controller + tree.
-    `device_buffers`: the device KV pool's per-slot buffers (every layer's K and V), or a
-    function returning the live ones."""
+    `device_buffers`: the device KV pool's per-slot buffers (every layer's K and V, plus their
+    scales for an int8 pool: `MHATokenToKVPool.slot_buffers()`), or a function returning the
+    live ones."""
     buffers = device_buffers() if callable(device_buffers) else device_buffers
     sizing = host_pool_size(allocator.capacity, buffers, ratio=args.hicache_ratio,
                             size_gb=args.hicache_size, page_size=args.page_size)

@@ -1,10 +1,12 @@
 """The host KV pool: a second copy of the device KV layout in host RAM, plus its slot allocator.
 
 It mirrors whatever buffers the device pool keeps (for the real model: one K and one V tensor
-per layer, `[size + 1, kv_heads, head_dim]`; for the unit tests' fake model: one 1-D tensor of
-token ids), so a device→host or host→device copy is the same indexed gather/scatter for every
-buffer. Host slots are numbered 1..capacity like device slots (row 0 unused), which lets the
-integrity checks share the device pool's slot-ownership check.
+per layer, `[size + 1, kv_heads, head_dim]`, and with --kv-cache-dtype int8 those are int8 plus
+one float32 `[size + 1, kv_heads]` scale tensor each; for the unit tests' fake model: one 1-D
+tensor of token ids), each in its own dtype and shape, so a device→host or host→device copy is
+the same indexed gather/scatter for every buffer and moves the bytes unchanged. Host slots are
+numbered 1..capacity like device slots (row 0 unused), which lets the integrity checks share
+the device pool's slot-ownership check.
 
 Sizing (semantics §6): `hicache_size` GB when > 0, else `hicache_ratio × device capacity`.
 Start-up refuses a pool that would leave less than `min_free_bytes` of RAM available, with a
@@ -47,7 +49,8 @@ def available_ram_bytes() -> int:
 
 
 def bytes_per_token(device_buffers: list[torch.Tensor]) -> int:
-    """Bytes one token slot takes across all buffers (all layers' K and V)."""
+    """Bytes one token slot takes across all buffers (all layers' K and V, and their scales for
+    an int8 pool: each buffer counts with its own shape and element size)."""
     return sum(b[0].numel() * b.element_size() for b in device_buffers)
 
 

@@ -30,8 +30,9 @@ def build_scheduler(args: ServerArgs, send_output):
     if args.enable_hierarchical_cache:  # HiCache: host tier under the radix cache (radixlm/hicache)
         from radixlm.hicache import LoadFencedRunner, build_hiradix_cache
         kv = runner.kv_pool
-        tree = build_hiradix_cache(args, runner.req_to_token_pool, runner.allocator,
-                                   lambda: kv.k_buffer + kv.v_buffer)
+        # Every slot-indexed tensor (K, V and, for an int8 pool, their scales) is mirrored, so
+        # a copy moves a slot's whole KV; a callable, since release/resume swaps the tensors.
+        tree = build_hiradix_cache(args, runner.req_to_token_pool, runner.allocator, kv.slot_buffers)
         sched_runner = LoadFencedRunner(runner, tree.controller)  # forwards wait for host->device loads
     else:
         tree = create_prefix_cache(runner.req_to_token_pool, runner.allocator, page_size=args.page_size,

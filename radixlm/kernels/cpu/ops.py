@@ -133,6 +133,62 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
     return True
 
 
+def store_kv_int8(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  k_scale: torch.Tensor, v_scale: torch.Tensor, loc: torch.Tensor) -> bool:
+    """Quantize k, v [n, Hkv, D] (heads contiguous per token) into an int8 pool: k_buf[loc] and
+    k_scale[loc] as kv_pool.quantize_kv gives them, same for v. False when unsupported."""
+    lib = load()
+    if lib is None or k.dtype not in _DTYPE_CODE or v.dtype != k.dtype:
+        return False
+    if k_buf.dtype != torch.int8 or v_buf.dtype != torch.int8 or k_scale.dtype != torch.float32 \
+            or v_scale.dtype != torch.float32:
+        return False
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            return False
+    if not all(t.is_contiguous() for t in (k_buf, v_buf, k_scale, v_scale, loc)) or loc.dtype != torch.int64:
+        return False
+    n, hkv, d = k.shape
+    lib.radixlm_store_kv_int8(_DTYPE_CODE[k.dtype], _ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(k_buf),
+                              _ptr(v_buf), _ptr(k_scale), _ptr(v_scale), _ptr(loc), n, hkv, d,
+                              torch.get_num_threads())
+    return True
+
+
+def decode_int8_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI)."""
+    lib = load()
+    return (lib is not None and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP and lib.radixlm_decode_int8_supports(head_dim) == 1)
+
+
+def decode_attention_int8(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, k_scale: torch.Tensor,
+                          v_scale: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
+                          lse: torch.Tensor | None = None) -> torch.Tensor | None:
+    """decode_attention over an int8 pool: k_buf/v_buf int8 [slots, Hkv, D] with float32
+    k_scale/v_scale [slots, Hkv] (value ~= int8 * scale). Same contract otherwise; the query
+    is quantized per head to int8 inside (kv_int8_ops.cpp). None when unsupported."""
+    lib = load()
+    b, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    if lib is None or q.dtype not in _DTYPE_CODE or k_buf.dtype != torch.int8 or v_buf.dtype != torch.int8:
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d:
+        return None
+    if not all(t.is_contiguous() for t in (k_buf, v_buf, k_scale, v_scale, kv_indices)):
+        return None
+    if kv_indptr.dtype != torch.int64 or kv_indices.dtype != torch.int64:
+        return None
+    if lse is not None and (lse.dtype != torch.float32 or not lse.is_contiguous()):
+        return None
+    out = torch.empty((b, hq, d), dtype=q.dtype)
+    rc = lib.radixlm_decode_attention_int8(_DTYPE_CODE[q.dtype], _ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf),
+                                           _ptr(k_scale), _ptr(v_scale), _ptr(kv_indptr), _ptr(kv_indices),
+                                           _ptr(out), out.stride(0), _ptr(lse) if lse is not None else None,
+                                           b, hq, hkv, d, scale, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 def int8_group_size() -> int:
     """Input features per activation scale of the int8 kernels (quant_ops.cpp kGroup)."""
     lib = load()

@@ -2,23 +2,55 @@
 
 Slot ids come from TokenToKVPoolAllocator (1..size); row 0 exists so that padded
 batches can write their dummy tokens somewhere harmless.
+
+kv_cache_dtype "int8" (--kv-cache-dtype int8): K and V are stored as int8 with one float32
+scale per (slot, KV head), symmetric over the head's head_dim values: x ~= q * scale,
+scale = amax / 127. Half the bytes of bf16 (plus 4 bytes per head), so twice the tokens fit
+and decode attention, which streams every key and value once per step, reads half as much.
+`quantize_kv` / `dequantize_kv` below are the reference the native kernels (kernels/cpu)
+must match: the stored bytes and scales are bit-identical whichever path wrote them.
 """
 from __future__ import annotations
 
 import torch
 from radixlm.kernels.cpu.hugepages import empty_hugepage
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, H, D] (any float dtype) -> (q int8 [n, H, D], scale float32 [n, H]): per row of D,
+    scale = amax / 127 and q = round-half-even(x * (127 / amax)) in float32, both constants
+    rounded once from float64 (as the int8 GEMM's activation quantizer); an all-zero row has
+    scale 0 and q 0."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1).double()
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float()
+    q = torch.round(xf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, (amax / 127.0).float()
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q int8 [n, H, D], scale float32 [n, H] -> [n, H, D] in dtype (q * scale in float32)."""
+    return (q.float() * scale[..., None]).to(dtype)
+
 
 class MHATokenToKVPool:
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu", kv_cache_dtype: str = "auto") -> None:
         if size < 1:
             raise ValueError("KV pool size must be >= 1")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.quantized = kv_cache_dtype == "int8"
+        # dtype: what the buffers hold; compute_dtype: what attention reads them as.
+        self.compute_dtype = dtype
+        self.dtype = torch.int8 if self.quantized else dtype
         self.device = torch.device(device)
         # torch.empty: zero-filling a multi-GB pool costs ~0.3 s/GB at startup on a small
         # VM. Only row 0 must be finite, because attention backends point masked padding
@@ -26,48 +58,85 @@ class MHATokenToKVPool:
         # Other slots are read only after being written.
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
+        self.k_scale: list[torch.Tensor] = []  # int8 pools: float32 [size + 1, num_kv_heads]
+        self.v_scale: list[torch.Tensor] = []
         self.allocate()
 
     def allocate(self) -> None:
         shape = (self.size + 1, self.num_kv_heads, self.head_dim)
-        self.k_buffer[:] = [self._empty(shape) for _ in range(self.num_layers)]
-        self.v_buffer[:] = [self._empty(shape) for _ in range(self.num_layers)]
-        for buf in (*self.k_buffer, *self.v_buffer):
+        self.k_buffer[:] = [self._empty(shape, self.dtype) for _ in range(self.num_layers)]
+        self.v_buffer[:] = [self._empty(shape, self.dtype) for _ in range(self.num_layers)]
+        if self.quantized:
+            scale_shape = (self.size + 1, self.num_kv_heads)
+            self.k_scale[:] = [self._empty(scale_shape, torch.float32) for _ in range(self.num_layers)]
+            self.v_scale[:] = [self._empty(scale_shape, torch.float32) for _ in range(self.num_layers)]
+        for buf in self.slot_buffers():
             buf[0].zero_()
 
-    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if torch.device(self.device).type == "cpu":  # decode streams these: huge pages
-            return empty_hugepage(shape, self.dtype)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+            return empty_hugepage(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def release(self) -> None:
         """Give the memory back (RL trainers reuse it); `allocate()` brings it back empty."""
         empty = torch.empty((0, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         self.k_buffer[:] = [empty] * self.num_layers
         self.v_buffer[:] = [empty] * self.num_layers
+        if self.quantized:
+            empty_scale = torch.empty((0, self.num_kv_heads), dtype=torch.float32, device=self.device)
+            self.k_scale[:] = [empty_scale] * self.num_layers
+            self.v_scale[:] = [empty_scale] * self.num_layers
+
+    def slot_buffers(self) -> list[torch.Tensor]:
+        """Every tensor indexed by KV slot (K, V, and the scales of an int8 pool): what a copy
+        of a slot's KV (HiCache host tier) must move."""
+        return [*self.k_buffer, *self.v_buffer, *self.k_scale, *self.v_scale]
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
+        return sum(b.numel() * b.element_size() for b in self.slot_buffers())
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> int:
         """Bytes one token's K and V take over all layers (for sizing the pool)."""
+        if kv_cache_dtype == "int8":
+            return 2 * num_layers * num_kv_heads * (head_dim + 4)  # int8 values + a float32 scale per head
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
     def total_bytes(self) -> int:
         return (self.size + 1) * self.bytes_per_token(self.num_layers, self.num_kv_heads,
-                                                      self.head_dim, self.dtype)
+                                                      self.head_dim, self.compute_dtype, self.kv_cache_dtype)
 
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, num_kv_heads, head_dim] stored at slots loc [n]."""
-        if k.dtype != self.dtype:
-            k, v = k.to(self.dtype), v.to(self.dtype)
         # index_copy_ is cheaper than advanced-index assignment. Real slots never repeat
         # within one forward (allocator invariant); only padding slot 0 may, harmlessly.
+        if self.quantized:
+            kq, ks = quantize_kv(k)
+            vq, vs = quantize_kv(v)
+            self.k_buffer[layer].index_copy_(0, loc, kq)
+            self.v_buffer[layer].index_copy_(0, loc, vq)
+            self.k_scale[layer].index_copy_(0, loc, ks)
+            self.v_scale[layer].index_copy_(0, loc, vs)
+            return
+        if k.dtype != self.dtype:
+            k, v = k.to(self.dtype), v.to(self.dtype)
         self.k_buffer[layer].index_copy_(0, loc, k)
         self.v_buffer[layer].index_copy_(0, loc, v)
+
+    def gather_kv(self, layer: int, index: torch.Tensor, which: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """K (which=0) or V (which=1) of slots `index` as [n, num_kv_heads, head_dim] in
+        compute_dtype (dequantized for an int8 pool); written into `out` when given (a float
+        pool's index_select target)."""
+        buf = (self.k_buffer if which == 0 else self.v_buffer)[layer]
+        if not self.quantized:
+            return torch.index_select(buf, 0, index, out=out) if out is not None else buf.index_select(0, index)
+        scale = (self.k_scale if which == 0 else self.v_scale)[layer]
+        return dequantize_kv(buf.index_select(0, index), scale.index_select(0, index), self.compute_dtype)
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer], self.v_buffer[layer]

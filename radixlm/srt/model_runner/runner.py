@@ -59,7 +59,7 @@ def resolve_sizes(args: ServerArgs, cfg: ModelConfig, device: str, dtype: torch.
         total = args.max_total_tokens
     else:
         per_token = MHATokenToKVPool.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                     cfg.head_dim, dtype)
+                                                     cfg.head_dim, dtype, args.kv_cache_dtype)
         total = int(_available_memory_bytes(device) * args.mem_fraction_static / per_token)
         if device == "cpu":
             total = min(total, CPU_DEFAULT_MAX_TOTAL_TOKENS)
@@ -73,8 +73,10 @@ def resolve_sizes(args: ServerArgs, cfg: ModelConfig, device: str, dtype: torch.
     return RuntimeSizes(total, max_running, max_running + 2, chunk, context)
 
 
-def default_attention_backend(device: str) -> str:
+def default_attention_backend(device: str, kv_cache_dtype: str = "auto") -> str:
     if device == "cuda":
+        if kv_cache_dtype == "int8":
+            return "torch_native"  # the GPU kernels (triton, flashinfer) read float KV only
         import importlib.util
         if importlib.util.find_spec("triton") is not None and importlib.util.find_spec(
                 "radixlm.srt.model_runner.attention.triton") is not None:
@@ -107,20 +109,26 @@ class ModelRunner:
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.sizes = resolve_sizes(args, cfg, self.device, self.dtype)
         self.max_context_len = self.sizes.max_context_len
-        self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
-        self.req_to_token_pool = ReqToTokenPool(self.sizes.req_pool_size, self.max_context_len, "cpu")
-        self.allocator = TokenToKVPoolAllocator(self.sizes.max_total_tokens)
         backend = args.attention_backend
         if backend == "auto":
-            backend = default_attention_backend(self.device)
+            backend = default_attention_backend(self.device, args.kv_cache_dtype)
+        if args.kv_cache_dtype == "int8" and backend in ("triton", "flashinfer"):
+            # The backends refuse an int8 pool too; saying so here spares allocating it first.
+            raise ValueError(f"kv_cache_dtype int8 is implemented for the cpu and torch_native attention "
+                             f"backends, not {backend}; use --kv-cache-dtype auto or another --attention-backend")
+        self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
+                                        cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                        kv_cache_dtype=args.kv_cache_dtype)
+        self.req_to_token_pool = ReqToTokenPool(self.sizes.req_pool_size, self.max_context_len, "cpu")
+        self.allocator = TokenToKVPoolAllocator(self.sizes.max_total_tokens)
         self.attention_backend_name = backend
         self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
                                              cfg.num_key_value_heads, cfg.head_dim)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
         self._req_to_token_dev = self.req_to_token_pool.req_to_token
-        logger.info("model %s on %s (%s): KV capacity %d tokens, attention %s", self.model_path,
-                    self.device, self.dtype, self.sizes.max_total_tokens, backend)
+        logger.info("model %s on %s (%s): KV capacity %d tokens (kv_cache_dtype %s), attention %s",
+                    self.model_path, self.device, self.dtype, self.sizes.max_total_tokens, args.kv_cache_dtype,
+                    backend)
 
     # ------------------------------------------------------------------ RL API
     def update_weights_from_tensor(self, named_tensors) -> int:
@@ -164,7 +172,7 @@ class ModelRunner:
 
     def info(self) -> dict:
         return {"model_path": self.model_path, "dtype": str(self.dtype).replace("torch.", ""),
-                "quantization": self.args.quantization,
+                "quantization": self.args.quantization, "kv_cache_dtype": self.args.kv_cache_dtype,
                 "device": self.device, "attention_backend": self.attention_backend_name,
                 "max_total_num_tokens": self.sizes.max_total_tokens,
                 "max_running_requests": self.sizes.max_running_requests,

@@ -16,6 +16,10 @@ call per layer; torch_native's path made one SDPA call per request per layer (~8
 32 requests x 30 layers per prefill batch). Longer extends take torch_native's SDPA path
 (prefill is GEMM-bound and SDPA's flash kernel is good there). The KV store is one C call
 (row copies) instead of two index_copy_.
+
+An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
+kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix and long
+extends are dequantized by the pool (gather_kv) for the torch paths.
 """
 from __future__ import annotations
 
@@ -48,10 +52,14 @@ class CpuNativeAttention(TorchNativeAttention):
         if not cpu_ops.available():
             raise ValueError("the cpu attention backend needs the native CPU kernels, which could not be "
                              "built (is a C++ compiler installed? see the log); use torch_native")
-        # Shapes and dtypes the kernel is not instantiated for (e.g. float16) decode through
-        # torch_native.
-        self.native_decode = (cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
-                              and kv_pool.dtype in (torch.float32, torch.bfloat16))
+        # Shapes and dtypes the kernels are not instantiated for (e.g. float16, or an int8
+        # pool on a CPU without AVX512-VNNI) decode through torch_native.
+        self.quantized = getattr(kv_pool, "quantized", False)
+        if self.quantized:
+            self.native_decode = cpu_ops.decode_int8_supported(num_heads, num_kv_heads, head_dim)
+        else:
+            self.native_decode = (cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
+                                  and kv_pool.dtype in (torch.float32, torch.bfloat16))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.req_to_token.device.type != "cpu" or not self.native_decode:
@@ -94,27 +102,45 @@ class CpuNativeAttention(TorchNativeAttention):
         meta = fb.attn_metadata
         if not isinstance(meta, _NativeDecode):
             return super().forward(q, k, v, layer_id, fb, scale)
-        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
-        if not cpu_ops.store_kv(k, v, k_buf, v_buf, fb.out_cache_loc):
-            self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        self._store(layer_id, k, v, fb.out_cache_loc)
         if meta.shared_index is None:
-            out = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale)
-            if out is None:
-                raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
-            return out
-        return self._decode_shared_native(q, k_buf, v_buf, meta, scale)
+            return self._attend_rows(q, layer_id, meta, scale)
+        return self._decode_shared_native(q, layer_id, meta, scale)
 
-    def _decode_shared_native(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                              meta: _NativeDecode, scale: float) -> torch.Tensor:
+    def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
+        pool = self.kv_pool
+        k_buf, v_buf = pool.get_kv(layer_id)
+        if self.quantized:
+            stored = cpu_ops.store_kv_int8(k, v, k_buf, v_buf, pool.k_scale[layer_id], pool.v_scale[layer_id], loc)
+        else:
+            stored = cpu_ops.store_kv(k, v, k_buf, v_buf, loc)
+        if not stored:
+            pool.set_kv(layer_id, loc, k, v)
+
+    def _attend_rows(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode, scale: float,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel over the CSR rows of meta (the keys outside a shared prefix)."""
+        pool = self.kv_pool
+        k_buf, v_buf = pool.get_kv(layer_id)
+        if self.quantized:
+            out = cpu_ops.decode_attention_int8(q, k_buf, v_buf, pool.k_scale[layer_id], pool.v_scale[layer_id],
+                                                meta.kv_indptr, meta.kv_indices, scale, lse=lse)
+        else:
+            out = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale, lse=lse)
+        if out is None:
+            raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
+        return out
+
+    def _decode_shared_native(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode,
+                              scale: float) -> torch.Tensor:
         """Shared prefix by GEMM, suffixes by the kernel, merged through their log-sum-exps."""
         n = q.shape[0]
         hkv, d, grp, h = self.num_kv_heads, self.head_dim, self.group, self.num_heads
         lse_s = torch.empty((n, h), dtype=torch.float32)
-        o_s = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale, lse=lse_s)
-        if o_s is None:
-            raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
-        kp = k_buf.index_select(0, meta.shared_index).transpose(0, 1)  # [Hkv, P, D]
-        vp = v_buf.index_select(0, meta.shared_index).transpose(0, 1)
+        o_s = self._attend_rows(q, layer_id, meta, scale, lse=lse_s)
+        # [Hkv, P, D]; gather_kv dequantizes an int8 pool's prefix once for the whole batch.
+        kp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 0).transpose(0, 1)
+        vp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 1).transpose(0, 1)
         qh = q.reshape(n, hkv, grp, d).transpose(0, 1).reshape(hkv, n * grp, d)
         scores = torch.bmm(qh, kp.transpose(1, 2)).float().mul_(scale)  # [Hkv, n*G, P]
         lse_p = torch.logsumexp(scores, dim=-1)

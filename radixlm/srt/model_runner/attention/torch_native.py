@@ -17,6 +17,12 @@ attended to with per-KV-head GEMMs over all n*G query rows (see _decode_shared).
 Gathers go into a reused workspace: fresh multi-MB allocations are returned to the OS
 on free and page-faulted back in on every layer, which measured 2-3x slower for fp32
 at B=32, L=1024 on the 2-core VM.
+
+An int8 KV pool (--kv-cache-dtype int8) is read through kv_pool.gather_kv, which
+dequantizes to the model dtype (the workspace is skipped: the dequantized block is a
+fresh tensor anyway). Every read goes through the pool, including the K/V of the
+tokens being extended, so attention always sees the stored (quantized) values and a
+request's output does not depend on whether its prefix was cached or its prompt chunked.
 """
 from __future__ import annotations
 
@@ -248,6 +254,12 @@ class TorchNativeAttention(AttentionBackend):
             if meta.shared_index is not None:
                 return self._decode_shared(q, layer_id, meta, scale)
             return self._decode(q, layer_id, meta, scale)
+        if self.kv_pool.quantized and any(r.kv_index is None and r.q_len for r in meta.reqs):
+            # Attend to what was stored, not to the unrounded K/V (see module docstring): a
+            # cached prefix or a later chunk reads these tokens back quantized as well.
+            # (Requests with a prefix gather everything from the pool already.)
+            k = self.kv_pool.gather_kv(layer_id, fb.out_cache_loc, 0)
+            v = self.kv_pool.gather_kv(layer_id, fb.out_cache_loc, 1)
         return self._extend(q, k, v, layer_id, meta, scale)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
@@ -268,12 +280,19 @@ class TorchNativeAttention(AttentionBackend):
                 o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), is_causal=True,
                                                    scale=scale, enable_gqa=gqa)
             else:
-                ks = self._gather(k_buf, r.kv_index, 0).transpose(0, 1)[None]  # [1, Hkv, S, D]
-                vs = self._gather(v_buf, r.kv_index, 1).transpose(0, 1)[None]
+                ks = self._gather_kv(layer_id, k_buf, r.kv_index, 0).transpose(0, 1)[None]  # [1, Hkv, S, D]
+                vs = self._gather_kv(layer_id, v_buf, r.kv_index, 1).transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=r.mask,
                                                    scale=scale, enable_gqa=gqa)
             out[r.q_start:r.q_start + r.q_len] = o[0].transpose(0, 1)
         return out
+
+    def _gather_kv(self, layer_id: int, buf: torch.Tensor, index: torch.Tensor, which: int) -> torch.Tensor:
+        """K (which=0) or V (which=1) of slots `index`, [n, Hkv, D] in the compute dtype: a
+        workspace gather from `buf` for a float pool, the pool's dequantizing gather for int8."""
+        if self.kv_pool.quantized:
+            return self.kv_pool.gather_kv(layer_id, index, which)
+        return self._gather(buf, index, which)
 
     def _gather(self, buf: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
         """buf[index] written into a reused workspace (see module docstring)."""
@@ -293,8 +312,8 @@ class TorchNativeAttention(AttentionBackend):
         k_buf, v_buf = self.kv_pool.get_kv(layer_id)
         out = None if len(meta.groups) == 1 and meta.groups[0].rows is None else torch.empty_like(q)
         for g in meta.groups:
-            ks = self._gather(k_buf, g.kv_index, 0)  # [n*L, Hkv, D], token-major as gathered
-            vs = self._gather(v_buf, g.kv_index, 1)
+            ks = self._gather_kv(layer_id, k_buf, g.kv_index, 0)  # [n*L, Hkv, D], token-major as gathered
+            vs = self._gather_kv(layer_id, v_buf, g.kv_index, 1)
             qg = q if g.rows is None else q.index_select(0, g.rows)
             o = self._decode_group(qg, ks, vs, g, scale)
             if out is None:
@@ -332,10 +351,14 @@ class TorchNativeAttention(AttentionBackend):
         hkv, d, grp, h = self.num_kv_heads, self.head_dim, self.group, self.num_heads
         # Prefix K/V head-major [Hkv, P, D]: per-head GEMMs with M = n*G rows, no wasted
         # off-diagonal FLOPs (the prefix is the bulk of the keys here).
-        kp = k_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
-        vp = v_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
-        ks = self._gather(k_buf, g.kv_index, 0).view(n, g.max_len, hkv * d)
-        vs = self._gather(v_buf, g.kv_index, 1).view(n, g.max_len, hkv * d)
+        if self.kv_pool.quantized:
+            kp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 0).transpose(0, 1).contiguous()
+            vp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 1).transpose(0, 1).contiguous()
+        else:
+            kp = k_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
+            vp = v_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
+        ks = self._gather_kv(layer_id, k_buf, g.kv_index, 0).view(n, g.max_len, hkv * d)
+        vs = self._gather_kv(layer_id, v_buf, g.kv_index, 1).view(n, g.max_len, hkv * d)
         qh = q.view(n, hkv, grp, d).transpose(0, 1).reshape(hkv, n * grp, d)
         scores = torch.empty(n, h, p + g.max_len, dtype=q.dtype, device=q.device)
         sp = torch.bmm(qh, kp.transpose(1, 2))  # [Hkv, n*G, P]

@@ -1,0 +1,295 @@
+// The int8 KV cache (--kv-cache-dtype int8, radixlm/srt/model_runner/kv_pool.py): K and V
+// stored as int8 with one float32 scale per (slot, KV head), symmetric over head_dim.
+//   store_kv_int8:         quantizes new tokens' K/V rows into the pool, bit-identical to
+//                          kv_pool.quantize_kv (same rounding: x * (127 / amax) in float32,
+//                          round half to even; both constants rounded once from double).
+//   decode_attention_int8: decode-style attention (one query row per request) over them.
+// Why: decode attention streams every cached key and value once per step; int8 halves the
+// bytes (and twice the tokens fit in the same memory).
+//
+// Scores: the query is quantized per head to int8 as well (llama.cpp does the same for its
+// q8_0 K cache), so q . k over 64 dims is one vpdpbusd: the key bytes flipped to unsigned
+// (k + 128, an XOR of the sign bit) times the signed query, minus 128 * sum(q) of the head,
+// then times q_scale * k_scale * softmax scale. 16 keys' lane sums are reduced together by a
+// transpose-add tree. P @ V in float32: a block's values are widened to float once per KV
+// head into a scratch block that each of its query heads reads, with the value scales folded
+// into the probabilities.
+
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define RADIXLM_KV_INT8 1
+#endif
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <algorithm>
+
+#include "bf16.h"
+#include "decode_tasks.h"
+
+namespace {
+
+using radixlm::kMaxGroup;
+using radixlm::kNoMax;
+using radixlm::to_f;
+
+// Same reasoning as cpu_ops.cpp: a decode batch's store is microseconds of work.
+constexpr int64_t kParallelMin = 1 << 17;
+
+// One row of D values -> int8 q and its scale (amax / 127); an all-zero row gives 0s.
+template <typename T>
+float quantize_row(const T* x, int D, int8_t* q) {
+  float amax = 0.f;
+  for (int d = 0; d < D; ++d) amax = fmaxf(amax, fabsf(to_f(x[d])));
+  // In double, rounded once: -ffast-math may turn a float division into a reciprocal
+  // estimate, and these two numbers must equal the correctly rounded float32 ones.
+  const float inv = amax > 0.f ? (float)(127.0 / (double)amax) : 0.f;
+  for (int d = 0; d < D; ++d) q[d] = (int8_t)fminf(127.f, fmaxf(-127.f, nearbyintf(to_f(x[d]) * inv)));
+  return (float)((double)amax / 127.0);
+}
+
+// rows of k/v [n, Hkv, D] (token row strides given) -> kq/vq [slots, Hkv, D] int8 and
+// ks/vs [slots, Hkv] float32 at slots loc.
+template <typename T>
+void store_kv_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int8_t* kq, int8_t* vq, float* ks,
+                   float* vs, const int64_t* loc, int64_t n, int Hkv, int D, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (n * Hkv * D >= kParallelMin)
+  for (int64_t i = 0; i < n * Hkv; ++i) {
+    const int64_t t = i / Hkv;
+    const int h = (int)(i % Hkv);
+    const int64_t dst = loc[t] * Hkv + h;
+    ks[dst] = quantize_row(k + t * k_stride + (int64_t)h * D, D, kq + dst * D);
+    vs[dst] = quantize_row(v + t * v_stride + (int64_t)h * D, D, vq + dst * D);
+  }
+}
+
+#ifdef RADIXLM_KV_INT8
+// a[0..15] -> one vector whose lane j is the sum of a[j]'s 16 lanes (hsum16 of
+// decode_tasks.h in int32).
+inline __m512i hsum16i(const __m512i* a) {
+  __m512i x[8], z[4];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
+  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], 0x88), _mm512_shuffle_i32x4(z[0], z[1], 0xDD));
+  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(z[2], z[3], 0x88), _mm512_shuffle_i32x4(z[2], z[3], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+}
+
+// Keys per softmax step: scores of a whole chunk are computed first, then one max / exp /
+// sum pass and one rescale of the accumulators per chunk. Per 16-key block (the bf16
+// kernel's structure) the serial max -> exp -> sum chain of every query head dominated.
+constexpr int kChunk = 128;
+
+// Query heads whose P @ V accumulators stay in registers together: GN * 4 * NC zmm
+// accumulators + 4 * NC widened values + a broadcast fit the 32 registers.
+template <int NC>
+constexpr int pv_tile() { return NC == 1 ? 4 : NC == 2 ? 2 : 1; }
+
+// acc[GN][D] += sum over the chunk's keys j < nc of w[g][j] * value row j (int8, widened
+// to float once per key for all GN heads); vbuf points at the KV head in slot 0.
+template <int NC, int GN>
+inline void pv_heads(const int8_t* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunk],
+                     float* acc) {
+  constexpr int V = 4 * NC;  // 16-float vectors per head_dim
+  __m512 o[GN][V];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < V; ++c) o[g][c] = _mm512_loadu_ps(acc + g * 64 * NC + 16 * c);
+  for (int j = 0; j < nc; ++j) {
+    const int8_t* vr = vbuf + slot[j] * row;
+    __m512 x[V];
+    for (int c = 0; c < V; ++c)
+      x[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(vr + 16 * c))));
+    for (int g = 0; g < GN; ++g) {
+      const __m512 p = _mm512_set1_ps(w[g][j]);
+      for (int c = 0; c < V; ++c) o[g][c] = _mm512_fmadd_ps(p, x[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * 64 * NC + 16 * c, o[g][c]);
+}
+
+// H consecutive KV heads (G query heads each, H * G <= kMaxGroup) of one request over its
+// keys [k0, k1): kbuf/vbuf/ksc/vsc point at the first of the H heads of slot 0; a slot's
+// row is Hkv * D bytes (Hkv scales). Leaves acc [H*G][D] unnormalised, m and l.
+template <typename T, int NC>  // D = 64 * NC
+void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int8_t* kbuf, const int8_t* vbuf,
+                       const float* ksc, const float* vsc, const int64_t* idx, int64_t k0, int64_t k1,
+                       float* acc, float* m, float* l) {
+  constexpr int D = 64 * NC;
+  const int HG = H * G;
+  const int64_t row = (int64_t)Hkv * D;
+  __m512i qv[kMaxGroup][NC];
+  float qscale[kMaxGroup];
+  int32_t qcorr[kMaxGroup];
+  for (int g = 0; g < HG; ++g) {
+    alignas(64) int8_t q8[D];
+    qscale[g] = quantize_row(q + (int64_t)g * D, D, q8) * scale;
+    int32_t sum = 0;
+    for (int d = 0; d < D; ++d) sum += q8[d];
+    qcorr[g] = 128 * sum;
+    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_load_si512(q8 + 64 * c);
+    m[g] = kNoMax;
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  int64_t slot[kChunk];
+  alignas(64) float sk[kMaxGroup][kChunk], sv[kMaxGroup][kChunk];
+  alignas(64) float sc[kMaxGroup][kChunk];  // scores, then probabilities times the value scale
+  for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
+    const int nc = (int)std::min<int64_t>(kChunk, k1 - c0);
+    const int nb = (nc + 15) / 16;  // 16-key blocks; keys nc.. of the last are padding
+    for (int j = 0; j < nb * 16; ++j) {
+      slot[j] = idx[c0 + (j < nc ? j : 0)];
+      for (int h = 0; h < H; ++h) {
+        sk[h][j] = ksc[slot[j] * Hkv + h];
+        sv[h][j] = j < nc ? vsc[slot[j] * Hkv + h] : 0.f;  // padding keys add nothing
+      }
+    }
+    for (int g = 0; g < HG; ++g) {
+      const int h = g / G;
+      const __m512 qs = _mm512_set1_ps(qscale[g]);
+      const __m512i qc = _mm512_set1_epi32(qcorr[g]);
+      __m512 mx = _mm512_set1_ps(kNoMax);
+      for (int blk = 0; blk < nb; ++blk) {
+        if (g == 0) {
+          // Scattered rows (see attend_range_bf16 in cpu_ops.cpp): keys 32 ahead, and this
+          // block's values, used after the chunk's scores.
+          for (int64_t j = c0 + 16 * blk, j1 = std::min<int64_t>(k1, j + 16); j < j1; ++j) {
+            if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
+            radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
+          }
+        }
+        __m512i a[16];
+        for (int j = 0; j < 16; ++j) {
+          const int8_t* kr = kbuf + slot[16 * blk + j] * row + (int64_t)h * D;
+          a[j] = _mm512_setzero_si512();
+          for (int c = 0; c < NC; ++c)
+            a[j] = _mm512_dpbusd_epi32(a[j], _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * c), flip), qv[g][c]);
+        }
+        const int left = nc - 16 * blk;
+        const __mmask16 valid = (__mmask16)(left >= 16 ? 0xFFFFu : ((1u << left) - 1u));
+        const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16i(a), qc)), qs),
+                                       _mm512_load_ps(sk[h] + 16 * blk));
+        const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), valid, s);
+        _mm512_store_ps(sc[g] + 16 * blk, sm);
+        mx = _mm512_max_ps(mx, sm);
+      }
+      const float bm = std::max(m[g], _mm512_reduce_max_ps(mx));
+      const float corr = expf(m[g] - bm);  // 0 on the first chunk
+      const __m512 vbm = _mm512_set1_ps(bm);
+      __m512 sum = _mm512_setzero_ps();
+      for (int blk = 0; blk < nb; ++blk) {
+        const __m512 p = radixlm::exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * blk), vbm));
+        const __m512 pv = _mm512_mul_ps(p, _mm512_load_ps(sv[h] + 16 * blk));  // 0 for padding
+        sum = _mm512_add_ps(sum, _mm512_mask_mov_ps(_mm512_setzero_ps(), blk * 16 + 16 <= nc
+                                                        ? (__mmask16)0xFFFFu : (__mmask16)((1u << (nc - blk * 16)) - 1u), p));
+        _mm512_store_ps(sc[g] + 16 * blk, pv);
+      }
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
+      m[g] = bm;
+      if (corr != 1.f) {
+        const __m512 vc = _mm512_set1_ps(corr);
+        for (int c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), vc));
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int g0 = h * G; g0 < (h + 1) * G; g0 += pv_tile<NC>())
+        switch (std::min(pv_tile<NC>(), (h + 1) * G - g0)) {
+          case 1: pv_heads<NC, 1>(vbuf + (int64_t)h * D, row, slot, nc, sc + g0, acc + (int64_t)g0 * D); break;
+          case 2: pv_heads<NC, 2>(vbuf + (int64_t)h * D, row, slot, nc, sc + g0, acc + (int64_t)g0 * D); break;
+          case 3: pv_heads<NC, 3>(vbuf + (int64_t)h * D, row, slot, nc, sc + g0, acc + (int64_t)g0 * D); break;
+          default: pv_heads<NC, 4>(vbuf + (int64_t)h * D, row, slot, nc, sc + g0, acc + (int64_t)g0 * D); break;
+        }
+  }
+}
+
+template <typename T, int NC>
+void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* kbuf, const int8_t* vbuf, const float* ksc,
+                           const float* vsc, const int64_t* indptr, const int64_t* indices, T* out,
+                           int64_t out_stride, float* lse, int B, int Hq, int Hkv, float scale, int nthreads) {
+  constexpr int D = 64 * NC;
+  const int G = Hq / Hkv;
+  const int H = radixlm::heads_per_task(Hkv, G);
+  radixlm::run_decode_tasks<T, D>(indptr, out, out_stride, lse, B, Hq, Hkv, H, nthreads,
+                                  [&](int b, int kvh0, int64_t k0, int64_t k1, float* acc, float* m, float* l) {
+    attend_range_int8<T, NC>(q + b * q_stride + (int64_t)kvh0 * G * D, scale, G, H, Hkv, kbuf + (int64_t)kvh0 * D,
+                             vbuf + (int64_t)kvh0 * D, ksc + kvh0, vsc + kvh0, indices + indptr[b], k0, k1, acc,
+                             m, l);
+  });
+}
+
+template <typename T>
+int decode_int8_dispatch(const void* q, int64_t q_stride, const int8_t* k, const int8_t* v, const float* ks,
+                         const float* vs, const int64_t* indptr, const int64_t* indices, void* out,
+                         int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D, float scale, int nthreads) {
+  if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > kMaxGroup) return -1;
+#define RADIXLM_DECODE_I8(NC)                                                                                \
+  case 64 * NC:                                                                                              \
+    decode_attention_int8<T, NC>((const T*)q, q_stride, k, v, ks, vs, indptr, indices, (T*)out, out_stride, \
+                                 lse, B, Hq, Hkv, scale, nthreads);                                          \
+    return 0;
+  switch (D) {
+    RADIXLM_DECODE_I8(1)
+    RADIXLM_DECODE_I8(2)
+    RADIXLM_DECODE_I8(4)
+    default:
+      return -2;
+  }
+#undef RADIXLM_DECODE_I8
+}
+#endif  // RADIXLM_KV_INT8
+
+}  // namespace
+
+// ---- C ABI: dtype 0 = float32, 1 = bfloat16 (of q/out, of k/v for the store). ----
+extern "C" {
+
+int radixlm_store_kv_int8(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride, int8_t* kq,
+                          int8_t* vq, float* ks, float* vs, const int64_t* loc, int64_t n, int Hkv, int D,
+                          int nthreads) {
+  if (dtype == 0)
+    store_kv_int8<float>((const float*)k, k_stride, (const float*)v, v_stride, kq, vq, ks, vs, loc, n, Hkv, D,
+                         nthreads);
+  else
+    store_kv_int8<uint16_t>((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, kq, vq, ks, vs, loc, n,
+                            Hkv, D, nthreads);
+  return 0;
+}
+
+// Head dims the int8 decode kernel is instantiated for (0 when built without AVX512-VNNI).
+int radixlm_decode_int8_supports(int D) {
+#ifdef RADIXLM_KV_INT8
+  return D == 64 || D == 128 || D == 256;
+#else
+  (void)D;
+  return 0;
+#endif
+}
+
+// Nonzero return: unsupported (shape, or a build without AVX512-VNNI).
+int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, const int8_t* k, const int8_t* v,
+                                  const float* ks, const float* vs, const int64_t* indptr, const int64_t* indices,
+                                  void* out, int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D,
+                                  float scale, int nthreads) {
+#ifdef RADIXLM_KV_INT8
+  if (dtype == 0)
+    return decode_int8_dispatch<float>(q, q_stride, k, v, ks, vs, indptr, indices, out, out_stride, lse, B, Hq,
+                                       Hkv, D, scale, nthreads);
+  return decode_int8_dispatch<uint16_t>(q, q_stride, k, v, ks, vs, indptr, indices, out, out_stride, lse, B, Hq,
+                                        Hkv, D, scale, nthreads);
+#else
+  (void)dtype; (void)q; (void)q_stride; (void)k; (void)v; (void)ks; (void)vs; (void)indptr; (void)indices;
+  (void)out; (void)out_stride; (void)lse; (void)B; (void)Hq; (void)Hkv; (void)D; (void)scale; (void)nthreads;
+  return -1;
+#endif
+}
+
+}  // extern "C"
