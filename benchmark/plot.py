@@ -19,18 +19,29 @@ import os
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ENGINE_ORDER = ["radixlm", "radixlm-w8a8_int8", "vllm", "llamacpp", "hf"]
-COLORS = {"radixlm": "tab:red", "radixlm-w8a8_int8": "tab:orange", "vllm": "tab:blue", "llamacpp": "tab:green",
-          "hf": "tab:gray"}
+ENGINE_ORDER = ["radixlm", "radixlm-kv_int8", "radixlm-w8a8_int8", "radixlm-w8a8_int8-kv_int8", "vllm", "llamacpp",
+                "hf"]
+COLORS = {"radixlm": "tab:red", "radixlm-kv_int8": "tab:pink", "radixlm-w8a8_int8": "tab:orange",
+          "radixlm-w8a8_int8-kv_int8": "tab:brown", "vllm": "tab:blue", "llamacpp": "tab:green", "hf": "tab:gray"}
+
+
+def radixlm_key(entry: dict) -> str:
+    """radixlm, plus -<quantization> and -kv_<dtype> for the opt-in modes of the run."""
+    key = "radixlm"
+    if entry.get("quantization"):
+        key += f"-{entry['quantization']}"
+    if entry.get("kv_cache_dtype") not in (None, "auto"):
+        key += f"-kv_{entry['kv_cache_dtype']}"
+    return key
 
 
 def engines_of(result: dict) -> dict[str, dict]:
     """{key: entry} for every engine entry of a result (skipping peers that could not run); a
-    quantized radixlm run is keyed "radixlm-<method>"."""
+    radixlm run in an opt-in mode is keyed by radixlm_key."""
     out = {}
     for k, v in result.items():
         if isinstance(v, dict) and "engine" in v and "error" not in v:
-            out[f"{k}-{v['quantization']}" if k == "radixlm" and v.get("quantization") else k] = v
+            out[radixlm_key(v) if k == "radixlm" else k] = v
     return dict(sorted(out.items(), key=lambda kv: ENGINE_ORDER.index(kv[0]) if kv[0] in ENGINE_ORDER else 99))
 
 
@@ -133,7 +144,7 @@ def bars(ax, rows: list[tuple[str, dict]], ylabel: str) -> None:
         ys = [v.get(eng) or 0 for _, v in rows]
         b = ax.bar(xs, ys, width, label=eng, color=COLORS.get(eng))
         ax.bar_label(b, labels=[f"{y:.1f}" if y else "" for y in ys], fontsize=7)
-    ax.set_xticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), [name for name, _ in rows], fontsize=8, rotation=12)
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
 
