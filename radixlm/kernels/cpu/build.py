@@ -52,6 +52,7 @@ _SIGNATURES = {
     "radixlm_int8_linear": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_store_kv_int8": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT],
     "radixlm_decode_int8_supports": [_INT],
+    "radixlm_gather_dequant_int8": [_INT, _PTR, _PTR, _PTR, _I64, _INT, _INT, _PTR, _INT],
     "radixlm_decode_attention_int8": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                                       _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
 }

@@ -4,6 +4,7 @@
 //                          kv_pool.quantize_kv (same rounding: x * (127 / amax) in float32,
 //                          round half to even; both constants rounded once from double).
 //   decode_attention_int8: decode-style attention (one query row per request) over them.
+//   gather_dequant:        rows back in float32/bf16 for the torch paths, as kv_pool.dequantize_kv.
 // Why: decode attention streams every cached key and value once per step; int8 halves the
 // bytes (and twice the tokens fit in the same memory).
 //
@@ -63,6 +64,24 @@ void store_kv_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, i
     const int64_t dst = loc[t] * Hkv + h;
     ks[dst] = quantize_row(k + t * k_stride + (int64_t)h * D, D, kq + dst * D);
     vs[dst] = quantize_row(v + t * v_stride + (int64_t)h * D, D, vq + dst * D);
+  }
+}
+
+// out[i] = q[idx[i]] * scale[idx[i]] (per head), rounded once to T: kv_pool.dequantize_kv of
+// the gathered rows. For the torch paths (a shared prefix's GEMM, long extends).
+template <typename T>
+void gather_dequant(const int8_t* q, const float* scale, const int64_t* idx, int64_t n, int Hkv, int D, T* out,
+                    int nthreads) {
+  using radixlm::from_f;
+#pragma omp parallel for num_threads(nthreads) if (n * Hkv * D >= kParallelMin)
+  for (int64_t i = 0; i < n * Hkv; ++i) {
+    const int64_t t = i / Hkv;
+    const int h = (int)(i % Hkv);
+    const int64_t src = idx[t] * Hkv + h;
+    const float s = scale[src];
+    const int8_t* qr = q + src * D;
+    T* o = out + i * D;
+    for (int d = 0; d < D; ++d) o[d] = from_f<T>((float)qr[d] * s);
   }
 }
 
@@ -261,6 +280,15 @@ int radixlm_store_kv_int8(int dtype, const void* k, int64_t k_stride, const void
   else
     store_kv_int8<uint16_t>((const uint16_t*)k, k_stride, (const uint16_t*)v, v_stride, kq, vq, ks, vs, loc, n,
                             Hkv, D, nthreads);
+  return 0;
+}
+
+int radixlm_gather_dequant_int8(int dtype, const int8_t* q, const float* scale, const int64_t* idx, int64_t n,
+                                int Hkv, int D, void* out, int nthreads) {
+  if (dtype == 0)
+    gather_dequant<float>(q, scale, idx, n, Hkv, D, (float*)out, nthreads);
+  else
+    gather_dequant<uint16_t>(q, scale, idx, n, Hkv, D, (uint16_t*)out, nthreads);
   return 0;
 }
 

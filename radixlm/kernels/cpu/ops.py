@@ -155,6 +155,23 @@ def store_kv_int8(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: 
     return True
 
 
+def gather_dequant_int8(q_buf: torch.Tensor, scale: torch.Tensor, index: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor | None:
+    """q_buf[index] * scale[index] per (row, head) as [n, Hkv, D] in dtype (float32/bfloat16),
+    equal to kv_pool.dequantize_kv of the gathered rows. None when unsupported."""
+    lib = load()
+    if lib is None or dtype not in _DTYPE_CODE or q_buf.dtype != torch.int8 or scale.dtype != torch.float32:
+        return None
+    if q_buf.device.type != "cpu" or index.dtype != torch.int64 or not all(
+            t.is_contiguous() for t in (q_buf, scale, index)):
+        return None
+    n, (hkv, d) = index.numel(), q_buf.shape[1:]
+    out = torch.empty((n, hkv, d), dtype=dtype)
+    lib.radixlm_gather_dequant_int8(_DTYPE_CODE[dtype], _ptr(q_buf), _ptr(scale), _ptr(index), n, hkv, d,
+                                    _ptr(out), torch.get_num_threads())
+    return out
+
+
 def decode_int8_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI)."""
     lib = load()

@@ -13,6 +13,7 @@ must match: the stored bytes and scales are bit-identical whichever path wrote t
 from __future__ import annotations
 
 import torch
+from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.kernels.cpu.hugepages import empty_hugepage
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -136,6 +137,10 @@ class MHATokenToKVPool:
         if not self.quantized:
             return torch.index_select(buf, 0, index, out=out) if out is not None else buf.index_select(0, index)
         scale = (self.k_scale if which == 0 else self.v_scale)[layer]
+        if buf.device.type == "cpu":  # one native pass instead of five torch ops (same numbers)
+            out = cpu_ops.gather_dequant_int8(buf, scale, index, self.compute_dtype)
+            if out is not None:
+                return out
         return dequantize_kv(buf.index_select(0, index), scale.index_select(0, index), self.compute_dtype)
 
     def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

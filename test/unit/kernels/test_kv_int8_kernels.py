@@ -131,3 +131,19 @@ def test_decode_attention_int8_rejects_what_it_cannot_do():
                                      0.1) is None
     assert not ops.store_kv_int8(torch.randn(1, 1, 64), torch.randn(1, 1, 64), kv64.float(), kv64.float(), scale,
                                  scale, torch.tensor([1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_dequant_matches_dequantize_kv(dtype):
+    """The native gather behind kv_pool.gather_kv: bit-identical to the torch formulation."""
+    g = torch.Generator().manual_seed(12)
+    q_buf = torch.randint(-127, 128, (300, 3, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(300, 3, generator=g) * 0.1
+    scale[5] = 0
+    index = torch.randint(0, 300, (77,), generator=g)
+    index[0] = 5
+    out = ops.gather_dequant_int8(q_buf, scale, index, dtype)
+    assert out is not None and out.dtype == dtype and out.shape == (77, 3, 64)
+    assert torch.equal(out, dequantize_kv(q_buf[index], scale[index], dtype))
+    assert ops.gather_dequant_int8(q_buf, scale, index.int(), dtype) is None  # int32 index: torch path
+    assert ops.gather_dequant_int8(q_buf, scale, index, torch.float16) is None
