@@ -92,3 +92,35 @@ def test_extend_over_shared_prefix_matches_reference(dtype, tol):
             lens.append(prefix[i] + j + 1)
     ref = _reference(q, pool.k_buffer[0], pool.v_buffer[0], torch.stack(rows), lens)
     assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_extend_with_long_suffixes_goes_per_request():
+    """Tokens x keys past the shared prefix above max_extend_as_decode_suffix_keys (long
+    prompts chunked over a common prefix) take the per-request SDPA path: the shared-prefix
+    route would gather every token's suffix keys; below the bound it stays shared."""
+    gen = torch.Generator().manual_seed(2)
+    shared, cap = 80, 1200
+    pool = MHATokenToKVPool(cap, 1, HKV, D, torch.float32, "cpu")
+    pool.k_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen)
+    pool.v_buffer[0][1:] = torch.randn(cap, HKV, D, generator=gen)
+    table = torch.zeros(3, 512, dtype=torch.int64)
+    perm = torch.randperm(cap, generator=gen) + 1
+    table[:2, :shared] = perm[:shared]
+    ext = [200, 150]
+    table[0, shared:shared + 200] = perm[shared:shared + 200]
+    table[1, shared:shared + 150] = perm[shared + 200:shared + 350]
+    loc = torch.cat([table[0, shared:shared + 200], table[1, shared:shared + 150]])
+    backend = TorchNativeAttention(pool, H, HKV, D)
+    kinds = {}
+    for bound in (350 * 200, 350 * 200 - 1):  # tokens x longest suffix = 350 x 200
+        backend.max_extend_as_decode_suffix_keys = bound
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * 350, loc, [0, 1], [shared, shared], ext, table)
+        backend.init_forward_metadata(fb)
+        kinds[bound] = getattr(fb.attn_metadata, "shared_index", None) is not None
+        q = torch.randn(350, H, D, generator=gen)
+        out = backend.forward(q, pool.k_buffer[0][loc].clone(), pool.v_buffer[0][loc].clone(), 0, fb, D ** -0.5)
+        rows = [table[0]] * 200 + [table[1]] * 150
+        lens = [shared + j + 1 for j in range(200)] + [shared + j + 1 for j in range(150)]
+        ref = _reference(q, pool.k_buffer[0], pool.v_buffer[0], torch.stack(rows), lens)
+        assert (out.double() - ref).abs().max().item() < 1e-4
+    assert kinds == {350 * 200: True, 350 * 200 - 1: False}

@@ -137,8 +137,12 @@ class TorchNativeAttention(AttentionBackend):
         # to that prefix with one dense GEMM instead of gathering it once per request.
         self.min_shared_prefix = 64
         # ... and extend batches over such a prefix run the same way while tokens x keys
-        # stays below this (the [tokens, H, keys] score block is materialised).
+        # stays below this (the [tokens, H, keys] score block is materialised) and every
+        # token's keys past the shared prefix, gathered per token, stay below the second
+        # bound: 1,024 tokens of long prompts chunked over a 609-token shared prefix gathered
+        # 1,024 x 640 K/V rows per layer (3.4 s per forward, against ~0.2 s through SDPA).
         self.max_extend_as_decode_keys = 1 << 21
+        self.max_extend_as_decode_suffix_keys = 1 << 16
 
     # ---- metadata: built once per forward, shared by every layer ----
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -218,7 +222,7 @@ class TorchNativeAttention(AttentionBackend):
             longest = max(p + e for p, e in zip(prefixes, fb.extend_seq_lens_cpu))
             if tokens * longest <= self.max_extend_as_decode_keys:
                 shared = self._shared_prefix_len(fb, min(prefixes))
-                if shared:
+                if shared and tokens * (longest - shared) <= self.max_extend_as_decode_suffix_keys:
                     lens: list[int] = []
                     owner: list[int] = []
                     for i, (p, e) in enumerate(zip(prefixes, fb.extend_seq_lens_cpu)):
