@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from radixlm import Engine
+from test.engine_checks import assert_kv_conserved
 
 
 @pytest.fixture(scope="module", params=["overlap", "normal"])
@@ -28,10 +29,7 @@ def hf_model(tiny_llama_dir):
 def _conserved(request):
     yield
     if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        eng.check_integrity()
-        mem = eng.get_server_info()["memory"]
-        assert mem["protected"] == 0 and mem["free"] + mem["evictable"] == mem["capacity"]
+        assert_kv_conserved(request.getfixturevalue("engine"))
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -9,15 +9,13 @@ little, and the tiny random model's top-1 margins are too thin to promise equali
 float cache (benchmark/micro/logits_check.py measures that on the real model)."""
 from __future__ import annotations
 
-import random
-import time
-
 import pytest
 import torch
 
 from radixlm import Engine
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+from test.engine_checks import assert_idle_and_empty, assert_kv_conserved, random_prompt, run_multiturn
 
 BACKENDS = ["torch_native", pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_ops.available(), reason="native CPU kernels could not be built"))]
@@ -25,11 +23,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 CAPACITY = 4096
 # tiny Llama (test/conftest.py): 2 layers, 2 KV heads, head_dim 64 / 4 = 16
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49000) for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -42,23 +35,11 @@ def engine(tiny_llama_dir, request):
     eng.shutdown()
 
 
-def _conserved(eng: Engine) -> None:
-    assert eng.flush_cache(timeout=10)  # idle, then empty
-    eng.check_integrity()
-    info = eng.get_server_info()
-    mem = info["memory"]
-    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-    assert mem["free"] == mem["capacity"] and mem["protected"] == 0
-
-
 @pytest.fixture(autouse=True)
 def _check_after(request):
     yield
     if "engine" in request.fixturenames:
-        eng = request.getfixturevalue("engine")
-        eng.check_integrity()
-        mem = eng.get_server_info()["memory"]
-        assert mem["protected"] == 0 and mem["free"] + mem["evictable"] == mem["capacity"]
+        assert_kv_conserved(request.getfixturevalue("engine"))
 
 
 def test_server_info_reports_int8(engine):
@@ -72,7 +53,7 @@ def test_server_info_reports_int8(engine):
 
 
 def test_batch_greedy_generates_the_requested_lengths(engine):
-    prompts = [[1, 5, 9, 100, 2000, 31], _prompt(1, 40), [7] * 3 + [8] * 20, _prompt(2, 150)]
+    prompts = [[1, 5, 9, 100, 2000, 31], random_prompt(1, 40), [7] * 3 + [8] * 20, random_prompt(2, 150)]
     lens = [12, 5, 20, 9]
     outs = engine.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": n, **GREEDY} for n in lens])
     for p, n, o in zip(prompts, lens, outs):
@@ -87,7 +68,7 @@ def test_batch_greedy_generates_the_requested_lengths(engine):
 
 def test_prefix_cache_hit_gives_identical_greedy_output(engine):
     engine.flush_cache()
-    prompt = _prompt(3, 150)  # > the 64-token prefill chunk
+    prompt = random_prompt(3, 150)  # > the 64-token prefill chunk
     first = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 16, **GREEDY})
     second = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 16, **GREEDY})
     assert first["meta_info"]["cached_tokens"] == 0
@@ -101,7 +82,7 @@ def test_prefix_cache_hit_gives_identical_greedy_output(engine):
 
 
 def test_abort_running_request(engine):
-    prompt = _prompt(4, 20)
+    prompt = random_prompt(4, 20)
     chunks = []
     stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **GREEDY},
                              stream=True, rid="victim")
@@ -116,7 +97,7 @@ def test_abort_running_request(engine):
     redo = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
                                                               **GREEDY})
     assert [t for c in chunks for t in c["output_ids"]] == redo["output_ids"]
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_int8_pool_holds_more_tokens_in_the_same_memory(tiny_llama_dir):
@@ -215,7 +196,7 @@ def test_hicache_backup_and_load_back_restore_int8_values_and_scales(tiny_llama_
             sched.check_integrity()
             return outputs[rid]
 
-        prompt = _prompt(5, 120)
+        prompt = random_prompt(5, 120)
         first = run("a", prompt, 8)
         assert _check_mirrors(tree, device, host) >= 120  # backed up (write_through) byte for byte
         # what every token of the cached sequence holds now, keyed by its path from the root
@@ -257,39 +238,11 @@ def test_hicache_backup_and_load_back_restore_int8_values_and_scales(tiny_llama_
         tree.controller.close()
 
 
-def _multiturn(engine: Engine, convs: int = 3, turns: int = 3, user_len: int = 40, max_new: int = 6):
-    rng = random.Random(11)
-    history: list[list[int]] = [[] for _ in range(convs)]
-    outputs = []
-    for _ in range(turns):
-        prompts = [history[c] + [rng.randrange(3, 49000) for _ in range(user_len)] for c in range(convs)]
-        res = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": max_new, **GREEDY})
-        for c, r in enumerate(res):
-            history[c] = prompts[c] + r["output_ids"]
-            outputs.append(r["output_ids"])
-    return outputs
-
-
-def _run_multiturn(model_dir: str, backend: str, **kw):
-    eng = Engine(model_path=model_dir, dtype="float32", kv_cache_dtype="int8", attention_backend=backend,
-                 max_total_tokens=160, chunked_prefill_size=64, debug_check_integrity=True, **kw)
-    try:
-        outs = _multiturn(eng)
-        eng.check_integrity()
-        info = eng.get_server_info()
-        deadline = time.time() + 10
-        while info.get("hicache", {}).get("pending_writes") and time.time() < deadline:
-            time.sleep(0.05)
-            info = eng.get_server_info()
-        return outs, info
-    finally:
-        eng.shutdown()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hicache_engine_outputs_equal_a_run_without_it(tiny_llama_dir, backend):
-    ref, _ = _run_multiturn(tiny_llama_dir, backend)
-    outs, info = _run_multiturn(tiny_llama_dir, backend, enable_hierarchical_cache=True)
+    kw = {"kv_cache_dtype": "int8", "attention_backend": backend, "max_total_tokens": 160}
+    ref, _ = run_multiturn(tiny_llama_dir, 3, 3, **kw)
+    outs, info = run_multiturn(tiny_llama_dir, 3, 3, enable_hierarchical_cache=True, **kw)
     assert outs == ref
     assert info["kv_cache_dtype"] == "int8"
     hc = info["hicache"]

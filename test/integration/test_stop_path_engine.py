@@ -10,6 +10,7 @@ import time
 import pytest
 
 from radixlm import Engine
+from test.engine_checks import assert_idle_and_empty, random_prompt
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -23,22 +24,8 @@ def engine(tiny_llama_dir):
     eng.shutdown()
 
 
-def _conserved(eng: Engine) -> None:
-    assert eng.flush_cache(timeout=10)  # idle, then empty
-    eng.check_integrity()
-    info = eng.get_server_info()
-    mem = info["memory"]
-    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-    assert mem["free"] == mem["capacity"] and mem["protected"] == 0
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 49000) for _ in range(n)]
-
-
 def test_abort_running_stream_returns_partial_output(engine):
-    prompt = _prompt(1, 20)
+    prompt = random_prompt(1, 20)
     chunks = []
     stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **GREEDY},
                              stream=True, rid="victim")
@@ -56,14 +43,14 @@ def test_abort_running_stream_returns_partial_output(engine):
     engine.abort_request("victim")
     again = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, **GREEDY}, rid="victim")
     assert again["meta_info"]["finish_reason"]["type"] == "length"
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_requests_held_while_paused_are_never_admitted_when_aborted(engine):
     engine.pause_generation("in_place")
     out: dict = {}
     t = threading.Thread(target=lambda: out.setdefault(
-        "r", engine.generate(input_ids=_prompt(2, 10), sampling_params={"max_new_tokens": 5}, rid="held")))
+        "r", engine.generate(input_ids=random_prompt(2, 10), sampling_params={"max_new_tokens": 5}, rid="held")))
     t.start()
     time.sleep(0.3)
     assert engine.get_server_info()["num_waiting_reqs"] == 0  # held in the tokenizer manager
@@ -72,22 +59,22 @@ def test_requests_held_while_paused_are_never_admitted_when_aborted(engine):
     engine.continue_generation()
     assert out["r"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["r"]["output_ids"] == []
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_timeout_is_503_with_partial_output(engine):
-    out = engine.generate(input_ids=_prompt(3, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+    out = engine.generate(input_ids=random_prompt(3, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
                           timeout=0.3)
     fr = out["meta_info"]["finish_reason"]
     assert fr["type"] == "abort" and fr["status_code"] == 503
     assert out["output_ids"]
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_flush_right_after_abort_all_succeeds(engine):
     async def go():
         tasks = [asyncio.ensure_future(engine.async_generate(
-            input_ids=_prompt(10 + i, 30), sampling_params={"max_new_tokens": 300, **GREEDY}))
+            input_ids=random_prompt(10 + i, 30), sampling_params={"max_new_tokens": 300, **GREEDY}))
             for i in range(8)]
         await asyncio.sleep(0.3)
         engine.abort_request(abort_all=True)
@@ -95,7 +82,7 @@ def test_flush_right_after_abort_all_succeeds(engine):
     outs = asyncio.run(go())
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
     assert engine.flush_cache(timeout=10)
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_storm(engine, tiny_llama_dir):
@@ -104,7 +91,7 @@ def test_storm(engine, tiny_llama_dir):
     rng = random.Random(11)
     specs = []
     for i in range(160):
-        specs.append((f"q{i}", _prompt(100 + i % 40, rng.randrange(5, 40)), rng.randrange(20, 90),
+        specs.append((f"q{i}", random_prompt(100 + i % 40, rng.randrange(5, 40)), rng.randrange(20, 90),
                       3 if i % 9 == 0 else 1))
     reference = {}
     prompts = [p for _, p, _, _ in specs]
@@ -157,7 +144,7 @@ def test_storm(engine, tiny_llama_dir):
     info = engine.get_server_info()
     assert info["cancel_latency_s"]["count"] > 0
     assert info["num_retractions"] > 0, "the pool was meant to be small enough to force retractions"
-    _conserved(engine)
+    assert_idle_and_empty(engine)
 
 
 def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny_llama_dir):
@@ -165,7 +152,7 @@ def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny_llama_dir):
     import signal
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=512)
     try:
-        stream = eng.generate(input_ids=_prompt(9, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+        stream = eng.generate(input_ids=random_prompt(9, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
                               stream=True)
         next(stream)
         os.kill(eng.procs.procs["scheduler"].pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from radixlm import Engine
+from test.engine_checks import assert_kv_conserved
 
 pytest.importorskip("xgrammar")
 
@@ -38,11 +39,7 @@ def engines(tiny_llama_dir):
 
 
 def _conserved(eng: Engine) -> None:
-    eng.check_integrity()
-    info = eng.get_server_info()
-    mem = info["memory"]
-    assert mem["protected"] == 0 and mem["free"] + mem["evictable"] == mem["capacity"]
-    assert info["num_grammar_queue_reqs"] == 0
+    assert assert_kv_conserved(eng)["num_grammar_queue_reqs"] == 0
 
 
 def _batch():
