@@ -19,6 +19,14 @@ from radixlm.kernels.cpu.hugepages import empty_hugepage
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
+def check_kv_cache_backend(kv_cache_dtype: str, backend: str) -> None:
+    """ValueError for an attention backend that cannot read a quantized pool (the GPU kernels
+    read float KV only)."""
+    if kv_cache_dtype != "auto" and backend in ("triton", "flashinfer"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is implemented for the cpu and torch_native attention "
+                         f"backends, not {backend}; use --kv-cache-dtype auto or another --attention-backend")
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, H, D] (any float dtype) -> (q int8 [n, H, D], scale float32 [n, H]): per row of D,
     scale = amax / 127 and q = round-half-even(x * (127 / amax)) in float32, both constants

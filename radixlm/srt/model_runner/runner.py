@@ -17,7 +17,7 @@ from radixlm.scheduler.batch import BatchResult, WorkerBatch
 from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, check_kv_cache_backend
 from radixlm.srt.model_runner.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -112,10 +112,7 @@ class ModelRunner:
         backend = args.attention_backend
         if backend == "auto":
             backend = default_attention_backend(self.device, args.kv_cache_dtype)
-        if args.kv_cache_dtype == "int8" and backend in ("triton", "flashinfer"):
-            # The backends refuse an int8 pool too; saying so here spares allocating it first.
-            raise ValueError(f"kv_cache_dtype int8 is implemented for the cpu and torch_native attention "
-                             f"backends, not {backend}; use --kv-cache-dtype auto or another --attention-backend")
+        check_kv_cache_backend(args.kv_cache_dtype, backend)  # the backends check too; this spares allocating
         self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
                                         cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
                                         kv_cache_dtype=args.kv_cache_dtype)

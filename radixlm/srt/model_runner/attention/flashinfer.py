@@ -25,6 +25,7 @@ import torch
 from radixlm.kernels.indices import build_indptr, build_kv_indices
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, AttentionBackend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.model_runner.kv_pool import check_kv_cache_backend
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's documented default workspace size
 
@@ -45,10 +46,7 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
         # Checked first (before any GPU/library check) so the message names the real problem.
-        if getattr(kv_pool, "quantized", False):
-            raise ValueError(f"kv_cache_dtype {kv_pool.kv_cache_dtype} is implemented for the cpu and torch_native "
-                             "attention backends, not flashinfer; use --kv-cache-dtype auto or another "
-                             "--attention-backend")
+        check_kv_cache_backend(getattr(kv_pool, "kv_cache_dtype", "auto"), "flashinfer")
         try:
             import flashinfer
         except ImportError as e:  # plain ImportError: create_attention_backend reports a

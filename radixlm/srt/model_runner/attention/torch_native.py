@@ -355,12 +355,8 @@ class TorchNativeAttention(AttentionBackend):
         hkv, d, grp, h = self.num_kv_heads, self.head_dim, self.group, self.num_heads
         # Prefix K/V head-major [Hkv, P, D]: per-head GEMMs with M = n*G rows, no wasted
         # off-diagonal FLOPs (the prefix is the bulk of the keys here).
-        if self.kv_pool.quantized:
-            kp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 0).transpose(0, 1).contiguous()
-            vp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 1).transpose(0, 1).contiguous()
-        else:
-            kp = k_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
-            vp = v_buf.index_select(0, meta.shared_index).transpose(0, 1).contiguous()
+        kp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 0).transpose(0, 1).contiguous()
+        vp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 1).transpose(0, 1).contiguous()
         ks = self._gather_kv(layer_id, k_buf, g.kv_index, 0).view(n, g.max_len, hkv * d)
         vs = self._gather_kv(layer_id, v_buf, g.kv_index, 1).view(n, g.max_len, hkv * d)
         qh = q.view(n, hkv, grp, d).transpose(0, 1).reshape(hkv, n * grp, d)

@@ -30,6 +30,7 @@ except ModuleNotFoundError as e:  # re-raised as ImportError: create_attention_b
 from radixlm.kernels.indices import build_indptr, build_kv_indices
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, AttentionBackend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.model_runner.kv_pool import check_kv_cache_backend
 
 
 @dataclass
@@ -58,10 +59,7 @@ class TritonAttention(AttentionBackend):
     def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
         # Checked first (before any GPU/library check) so the message names the real problem.
-        if getattr(kv_pool, "quantized", False):
-            raise ValueError(f"kv_cache_dtype {kv_pool.kv_cache_dtype} is implemented for the cpu and torch_native "
-                             "attention backends, not triton; use --kv-cache-dtype auto or another "
-                             "--attention-backend")
+        check_kv_cache_backend(getattr(kv_pool, "kv_cache_dtype", "auto"), "triton")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.device = torch.device(kv_pool.device)
