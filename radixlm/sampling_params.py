@@ -88,6 +88,10 @@ class SamplingParams:
         return None
 
     @property
+    def has_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
 

@@ -229,8 +229,11 @@ class LoadFencedRunner:
         self._controller = controller
 
     def forward(self, batch):
+        return self.launch(batch).result()
+
+    def launch(self, batch, prev=None):
         self._controller.fence_loads()
-        return self._runner.forward(batch)
+        return self._runner.launch(batch, prev)
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)

@@ -30,7 +30,7 @@ class WorkerBatch:
     input_logprob_targets: list[list[int]] = field(default_factory=list)
     # Overlap scheduling: id() of the batch whose output the negative input ids name, and
     # copies of the requests' output ids for sampling (the scheduler appends to the live
-    # lists while this batch runs).
+    # lists while this batch runs), ending with the input's placeholder where it has one.
     placeholder_source: int | None = None
     output_snapshots: list[list[int]] | None = None
     # Structured output: each request's grammar matcher (None: unconstrained), captured when
@@ -60,8 +60,32 @@ class BatchResult:
     grammar_status: list[str | None] | None = None
 
 
+class LaunchedForward(Protocol):
+    """A batch the runner has launched; its host result may still be on the way."""
+
+    batch: WorkerBatch
+    # int64 [len(batch.reqs)] on the runner's device, -1 where nothing was sampled: the next
+    # batch's placeholder input ids are resolved from it without the host reading it.
+    tokens: torch.Tensor
+
+    def result(self) -> BatchResult:
+        """Wait for the host copy of the result (idempotent, callable from any thread)."""
+        ...
+
+    def span(self) -> tuple[float, float]:
+        """(start, end) of the forward in seconds on the runner's clock; after result()."""
+        ...
+
+
 class ModelRunnerProtocol(Protocol):
     vocab_size: int
     max_context_len: int
 
-    def forward(self, batch: WorkerBatch) -> BatchResult: ...
+    def forward(self, batch: WorkerBatch) -> BatchResult:
+        """launch(batch).result()."""
+        ...
+
+    def launch(self, batch: WorkerBatch, prev: LaunchedForward | None = None) -> LaunchedForward:
+        """Start the forward; `prev` (the batch launched just before) is given when the
+        batch's input ids hold placeholders naming its rows."""
+        ...

@@ -1,44 +1,79 @@
-"""Overlap scheduling: the forward of batch N runs on a worker thread while the scheduler
-builds batch N+1 and then processes N's result (semantics §7).
+"""Overlap scheduling: batch N+1 is launched by a forward thread while the scheduler
+processes the result of batch N (semantics §7).
 
 A decode batch built while the previous decode batch is still running does not know that
 batch's sampled tokens yet. Its input ids for those requests are placeholders
-`-(row + 1)` naming a row of the previous batch's output; the worker resolves them just
-before the forward, when that output exists (the worker runs batches strictly in order).
-The sampling snapshot of each such request's output ids gets the resolved token too, so
-penalties, seeds and min_new_tokens see the same history as without overlap.
+`-(row + 1)` naming a row of the previous batch's output, and the output snapshot the
+sampler reads for such a request ends with the same placeholder. The runner resolves the
+input ids where the forward runs, from the previous batch's device-side token tensor
+(`resolve_placeholders`; on a GPU without waiting for the host), since the forward thread
+launches batches strictly in order. Snapshot values are read only by penalties: a runner
+with penalty rows waits for the previous result and fills them in (`fill_snapshots`);
+seeds and min_new_tokens only need the snapshot's length, which is right either way.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
+import torch
+
+from radixlm.scheduler.batch import BatchResult, LaunchedForward, ModelRunnerProtocol, WorkerBatch
 
 
 def placeholder(row: int) -> int:
     return -(row + 1)
 
 
+def resolve_placeholders(ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """ids with each placeholder replaced by the token it names in `tokens` (the previous
+    batch's per-row tokens, on the same device); device ops only, nothing waits."""
+    rows = (-ids - 1).clamp_(min=0)
+    return torch.where(ids < 0, tokens.index_select(0, rows), ids)
+
+
+def fill_snapshots(batch: WorkerBatch, tokens: list[int | None]) -> None:
+    """Replace each output snapshot's trailing placeholder with the token it names."""
+    for snap in batch.output_snapshots or []:
+        if snap and snap[-1] < 0:
+            tok = tokens[-snap[-1] - 1]
+            assert tok is not None, "placeholder for a row that sampled nothing"
+            snap[-1] = tok
+
+
+def snapshot_values_needed(batch: WorkerBatch) -> bool:
+    """True when a row whose snapshot ends with a placeholder has penalties (which count
+    the tokens' values)."""
+    if batch.output_snapshots is None:
+        return False
+    return any(snap and snap[-1] < 0 and req.sampling_params.has_penalty
+               for req, snap in zip(batch.reqs, batch.output_snapshots))
+
+
 class ForwardTimer:
-    """How long the model waited between forwards (the scheduler's visible cost)."""
+    """How long the model waited between forwards (the scheduler's visible cost), from the
+    launched batches' spans: on a GPU their stream's timing events, on the CPU wall time."""
 
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.idle_s = 0.0
         self._last_end: float | None = None
 
-    def run(self, runner: ModelRunnerProtocol, batch: WorkerBatch) -> BatchResult:
-        start = time.perf_counter()
+    def add(self, launched: LaunchedForward) -> None:
+        start, end = launched.span()
         if self._last_end is not None:
             # gaps longer than a second are "no work", not scheduling overhead
             gap = start - self._last_end
-            if gap < 1.0:
+            if 0.0 <= gap < 1.0:
                 self.idle_s += gap
-        result = runner.forward(batch)
-        self._last_end = time.perf_counter()
-        self.busy_s += self._last_end - start
+        self._last_end = end
+        self.busy_s += end - start
+
+    def run(self, runner: ModelRunnerProtocol, batch: WorkerBatch) -> BatchResult:
+        """Run a batch to its result on the calling thread (overlap off)."""
+        launched = runner.launch(batch, None)
+        result = launched.result()
+        self.add(launched)
         return result
 
     def idle_fraction(self) -> float:
@@ -50,39 +85,40 @@ class ForwardTimer:
 class InFlight:
     batch: WorkerBatch
     future: Future
+    timer: ForwardTimer
+    _result: BatchResult | None = None
 
     def result(self) -> BatchResult:
-        return self.future.result()
+        """Wait until the batch is launched and its result copied to the host."""
+        if self._result is None:
+            launched = self.future.result()
+            self._result = launched.result()
+            self.timer.add(launched)
+        return self._result
 
 
 class ForwardWorker:
-    """Runs runner.forward on one background thread (torch releases the GIL inside ops)."""
+    """Launches batches on one background thread, in order (torch releases the GIL inside
+    ops; on a GPU the launch itself returns before the kernels finish)."""
 
     def __init__(self, runner: ModelRunnerProtocol) -> None:
         self.runner = runner
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-forward")
-        self._last_batch_id: int | None = None
-        self._last_tokens: list[int | None] = []
+        self._last: LaunchedForward | None = None
         self.timer = ForwardTimer()
 
     def submit(self, batch: WorkerBatch) -> InFlight:
-        return InFlight(batch, self._pool.submit(self._run, batch))
+        return InFlight(batch, self._pool.submit(self._launch, batch), self.timer)
 
-    def _run(self, batch: WorkerBatch) -> BatchResult:
+    def _launch(self, batch: WorkerBatch) -> LaunchedForward:
+        prev = None
         if batch.placeholder_source is not None:
-            assert batch.placeholder_source == self._last_batch_id, "placeholders name a batch that did not run last"
-            ids = batch.input_ids
-            for i, tok in enumerate(ids):
-                if tok < 0:
-                    resolved = self._last_tokens[-tok - 1]
-                    assert resolved is not None, "placeholder for a row that sampled nothing"
-                    ids[i] = resolved
-                    if batch.output_snapshots is not None:
-                        batch.output_snapshots[i].append(resolved)
-        result = self.timer.run(self.runner, batch)
-        self._last_batch_id = id(batch)
-        self._last_tokens = result.next_token_ids
-        return result
+            prev = self._last
+            assert prev is not None and id(prev.batch) == batch.placeholder_source, \
+                "placeholders name a batch that did not run last"
+        launched = self.runner.launch(batch, prev)
+        self._last = launched
+        return launched
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

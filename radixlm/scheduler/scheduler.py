@@ -482,7 +482,7 @@ class Scheduler:
             return None
         src = self.in_flight.batch if self.in_flight is not None else None
         src_rows = {id(r): i for i, r in enumerate(src.reqs)} if src is not None else {}
-        locs, input_ids, prefix_lens = [], [], []
+        locs, input_ids, prefix_lens, snapshots = [], [], [], []
         for req in reqs:
             position = len(req.fill_ids) + req.pending_tokens - 1
             loc = self.cache.extend(req, 1)
@@ -492,6 +492,8 @@ class Scheduler:
             prefix_lens.append(position)
             # the newest token is still being sampled by the launched batch: name its row
             input_ids.append(placeholder(src_rows[id(req)]) if req.pending_tokens else req.output_ids[-1])
+            if self.overlap:
+                snapshots.append(req.output_ids + [input_ids[-1]] if req.pending_tokens else list(req.output_ids))
         self.ratio.on_decode_step()
         self.stats["num_decode_tokens"] += len(reqs)
         n = len(reqs)
@@ -499,7 +501,7 @@ class Scheduler:
                            prefix_lens=prefix_lens, extend_lens=[1] * n, sample=[True] * n,
                            input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
                            placeholder_source=id(src) if any(r.pending_tokens for r in reqs) else None,
-                           output_snapshots=[list(r.output_ids) for r in reqs] if self.overlap else None,
+                           output_snapshots=snapshots if self.overlap else None,
                            grammars=self._grammars(reqs))
 
     @staticmethod

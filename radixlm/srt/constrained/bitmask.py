@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.sampling_batch import VocabMask
 
 _xgr_apply: Any = None  # xgrammar's apply kernel, resolved on first use (False: unavailable)
@@ -86,7 +87,7 @@ def _apply_torch(logits: torch.Tensor, mask: VocabMask, vocab: int) -> None:
         # 4w + i hold tokens 32w + 8i .. 32w + 8i + 7, so bytes map to tokens in order
         table = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool().to(dev)
         _BYTE_BITS[dev] = table
-    idx = torch.tensor(mask.rows, dtype=torch.int64, device=dev)
+    idx = device_tensor(mask.rows, torch.int64, dev)
     words = mask.bitmask.index_select(0, idx.to(mask.bitmask.device)).to(dev).contiguous()
     allowed = table[words.view(torch.uint8).long()].view(len(mask.rows), -1)[:, :vocab]
     sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))

@@ -11,13 +11,14 @@ from itertools import chain
 
 import torch
 
+from radixlm.srt.model_runner.device_tensor import device_tensor, to_device
 from radixlm.srt.model_runner.sampling_batch import SamplingRow
 
 __all__ = ["apply_logit_bias", "apply_penalties", "mask_stop_tokens", "flat_keys"]
 
 
 def _index(idx: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.int64, device=device)
+    return device_tensor(idx, torch.int64, device)
 
 
 def flat_keys(batch_rows: list[int], id_lists: list[list[int]], vocab_size: int,
@@ -34,7 +35,7 @@ def flat_keys(batch_rows: list[int], id_lists: list[list[int]], vocab_size: int,
     toks = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.tensor(batch_rows, dtype=torch.int64), torch.tensor(lens))
     ok = (toks >= 0) & (toks < vocab_size)
-    return (rows[ok] * vocab_size + toks[ok]).to(device)
+    return to_device(rows[ok] * vocab_size + toks[ok], device)
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -53,7 +54,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], idx: list[in
         return
     dev = logits.device
     logits.index_put_((_index(r, dev), _index(c, dev)),
-                      torch.tensor(v, dtype=logits.dtype, device=dev), accumulate=True)
+                      device_tensor(v, logits.dtype, dev), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -96,7 +97,7 @@ def _per_row(b: int, idx: list[int], vals: list[float], default: float, dev: tor
     full = [default] * b
     for i, v in zip(idx, vals):
         full[i] = v
-    return torch.tensor(full, dtype=torch.float32, device=dev)
+    return device_tensor(full, torch.float32, dev)
 
 
 def mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
@@ -113,4 +114,4 @@ def mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], idx: list[in
         return
     dev = logits.device
     logits.index_put_((_index(r, dev), _index(c, dev)),
-                      torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+                      torch.full((), float("-inf"), dtype=logits.dtype, device=dev))

@@ -13,11 +13,14 @@ import torch
 
 from radixlm.config import ModelConfig, ServerArgs
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from radixlm.scheduler.batch import BatchResult, WorkerBatch
+from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
+from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders, snapshot_values_needed
 from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
 from radixlm.srt.model_runner.attention.base import create_attention_backend
+from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, check_kv_cache_backend
+from radixlm.srt.model_runner.launched import ForwardStream, LaunchedBatch
 from radixlm.srt.model_runner.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,7 @@ class ModelRunner:
         self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
                                              cfg.num_key_value_heads, cfg.head_dim)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
+        self.stream = ForwardStream(self.device)
         self._req_to_token_dev = self.req_to_token_pool.req_to_token
         logger.info("model %s on %s (%s): KV capacity %d tokens (kv_cache_dtype %s), attention %s",
                     self.model_path, self.device, self.dtype, self.sizes.max_total_tokens, args.kv_cache_dtype,
@@ -178,12 +182,31 @@ class ModelRunner:
                 "kv_pool_bytes": self.kv_pool.allocated_bytes}
 
     # ------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, batch: WorkerBatch) -> BatchResult:
+        """Run one batch to its host result."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: WorkerBatch, prev: LaunchedForward | None = None) -> LaunchedBatch:
+        """Queue the forward and sampling of a batch on the forward stream; the host result
+        comes from the returned batch's result() (see launched.py)."""
+        with self.stream.scope():
+            return self._launch(batch, prev)
+
+    def _launch(self, batch: WorkerBatch, prev: LaunchedForward | None) -> LaunchedBatch:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         fb = ForwardBatch.build(mode, batch.input_ids, batch.out_cache_loc,
                                 [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
                                 self._req_to_token_dev, self.device)
+        if batch.placeholder_source is not None:
+            assert prev is not None and id(prev.batch) == batch.placeholder_source, \
+                "placeholders name a batch that did not run last"
+            fb.input_ids = resolve_placeholders(fb.input_ids, prev.tokens)
+            if fb.input_ids.device.type == "cpu":  # free to check here; on a GPU it would wait
+                assert bool((fb.input_ids >= 0).all()), "placeholder for a row that sampled nothing"
+            if snapshot_values_needed(batch):
+                fill_snapshots(batch, prev.result().next_token_ids)
+        start = self.stream.mark()
         self.attn.init_forward_metadata(fb)
         hidden = self.model.forward(fb, self.attn)
 
@@ -199,22 +222,18 @@ class ModelRunner:
         lp_slices: list[tuple[int, int, int]] = []  # (request, first row, count)
         for i, (lo, hi) in enumerate(batch.input_logprob_ranges or []):
             if hi > lo:
-                start = ends[i] - batch.extend_lens[i]
+                start_tok = ends[i] - batch.extend_lens[i]
                 lp_slices.append((i, len(rows), hi - lo))
-                rows.extend(range(start + lo, start + hi))
+                rows.extend(range(start_tok + lo, start_tok + hi))
         n = len(batch.reqs)
-        next_ids: list[int | None] = [None] * n
-        logprobs: list[float | None] = [None] * n
-        tops: list[list[tuple[float, int]] | None] = [None] * n
-        in_lps: list[list[float] | None] = [None] * n
-        in_tops: list[list[list[tuple[float, int]]] | None] = [None] * n
-        grammar_status: list[str | None] | None = None
-        if not rows:
-            return BatchResult(next_ids, logprobs, tops, in_lps, in_tops)
-        if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
-            logits = self.model.compute_logits(hidden)
-        else:
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        ready: dict = {}
+        sampled = None
+        tokens = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
+        if rows:
+            if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(hidden[device_tensor(rows, torch.int64, hidden.device)])
         if sample_idx:
             srows = []
             for i in sample_idx:
@@ -230,19 +249,25 @@ class ModelRunner:
             # now, before any later batch builds its mask (semantics §7)
             matchers = [batch.grammars[i] for i in sample_idx] if batch.grammars is not None else None
             vocab_mask = build_vocab_mask(matchers, self.vocab_size, logits.device) if matchers else None
-            out = self.sampler.sample(logits[:len(sample_idx)], srows, vocab_mask=vocab_mask)
-            for j, i in enumerate(sample_idx):
-                next_ids[i] = out.next_token_ids[j]
-                logprobs[i] = out.logprobs[j]
-                tops[i] = out.top_logprobs[j]
-            if matchers:
-                grammar_status = [None] * n
-                for i, st in zip(sample_idx, advance_matchers(matchers, out.next_token_ids)):
-                    grammar_status[i] = st
-        for i, first, count in lp_slices:
-            targets = torch.tensor(batch.input_logprob_targets[i], dtype=torch.int64, device=logits.device)
-            lps, tks = self.sampler.logprobs_of(logits[first:first + count], targets,
-                                                batch.reqs[i].top_logprobs_num)
-            in_lps[i] = lps
-            in_tops[i] = tks
-        return BatchResult(next_ids, logprobs, tops, in_lps, in_tops, grammar_status)
+            sampled = self.sampler.sample_tensors(logits[:len(sample_idx)], srows, vocab_mask=vocab_mask)
+            if len(sample_idx) == n:
+                tokens = sampled.ids
+            else:
+                tokens.index_copy_(0, device_tensor(sample_idx, torch.int64, tokens.device), sampled.ids)
+            if matchers:  # the host needs these tokens now: this waits for the forward
+                status: list[str | None] = [None] * n
+                for i, st in zip(sample_idx, advance_matchers(matchers, sampled.ids.tolist())):
+                    status[i] = st
+                ready["grammar_status"] = status
+        if lp_slices:  # prompt logprobs are read on the host at once (prefill only, rare)
+            in_lps: list[list[float] | None] = [None] * n
+            in_tops: list[list[list[tuple[float, int]]] | None] = [None] * n
+            for i, first, count in lp_slices:
+                targets = device_tensor(batch.input_logprob_targets[i], torch.int64, logits.device)
+                in_lps[i], in_tops[i] = self.sampler.logprobs_of(logits[first:first + count], targets,
+                                                                 batch.reqs[i].top_logprobs_num)
+            ready["input_logprobs"], ready["input_top_logprobs"] = in_lps, in_tops
+        end = self.stream.mark()
+        host = sampled.map(self.stream.to_host) if sampled is not None else None
+        return LaunchedBatch(batch, tokens, sample_idx, host, self.stream.copy_done_event(), start, end,
+                             self.stream, ready)

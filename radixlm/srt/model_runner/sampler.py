@@ -31,11 +31,12 @@ import torch
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.sampling_params import SamplingParams
 from radixlm.srt.constrained.bitmask import apply_vocab_mask
+from radixlm.srt.model_runner.device_tensor import device_tensor, to_device
 from radixlm.srt.model_runner.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
-from radixlm.srt.model_runner.sampling_batch import (BatchPlan, SampleOutput, SamplingRow, VocabMask,
-                                                     build_stop_ids)
+from radixlm.srt.model_runner.sampling_batch import (BatchPlan, SampleOutput, SampleTensors, SamplingRow,
+                                                     VocabMask, build_stop_ids)
 
-__all__ = ["Sampler", "SamplerStats", "SamplingRow", "SampleOutput", "build_stop_ids", "mix_seed"]
+__all__ = ["Sampler", "SamplerStats", "SamplingRow", "SampleOutput", "SampleTensors", "build_stop_ids", "mix_seed"]
 
 _MASK64 = (1 << 64) - 1
 # Rows of prompt logits turned into log_softmax at a time: bounds the temporary to
@@ -76,7 +77,7 @@ class SamplerStats:
 
 
 def _index(idx: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(idx, dtype=torch.int64, device=device)
+    return device_tensor(idx, torch.int64, device)
 
 
 def _rows_of(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
@@ -99,7 +100,7 @@ def _top_k_threshold(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Per row, the k-th largest logit. Thresholding keeps ties with it (more than k tokens
     only when logits tie exactly, where any choice among them would be arbitrary)."""
     vals = x.topk(max(ks), dim=-1).values  # sorted, descending
-    k = torch.tensor(ks, dtype=torch.int64, device=x.device).unsqueeze(1)
+    k = device_tensor(ks, torch.int64, x.device).unsqueeze(1)
     return vals.gather(1, k - 1).squeeze(1)
 
 
@@ -112,7 +113,7 @@ def _top_p_threshold(x: torch.Tensor, ps: list[float]) -> tuple[torch.Tensor, in
     the first try sorts only the top _TOP_P_PREFIX (torch.topk); rows whose nucleus might
     reach past that (the whole prefix kept) are redone with a full sort.
     """
-    top_p = torch.tensor(ps, dtype=torch.float32, device=x.device)
+    top_p = device_tensor(ps, torch.float32, x.device)
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
 
     def nucleus_floor(vals: torch.Tensor, p: torch.Tensor,
@@ -124,6 +125,11 @@ def _top_p_threshold(x: torch.Tensor, ps: list[float]) -> tuple[torch.Tensor, in
         floor = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
         return floor, n_keep
 
+    if x.device.type == "cuda":
+        # Finding the rows to redo would make the host wait for the device (nonzero), which
+        # stalls an overlapped launch; a GPU sorts every row fully at little cost instead.
+        floor, _ = nucleus_floor(x.sort(dim=-1, descending=True).values, top_p, lse)
+        return floor, x.shape[0]
     k = min(_TOP_P_PREFIX, x.shape[1])
     floor, n_keep = nucleus_floor(x.topk(k, dim=-1).values, top_p, lse)
     if k == x.shape[1]:
@@ -194,13 +200,20 @@ class Sampler:
                vocab_mask: VocabMask | None = None) -> SampleOutput:
         """Next token of each row of `logits` ([B, >= vocab_size], float32 or bf16); rows of
         `vocab_mask` draw only among the tokens their grammar allows (logprobs stay raw)."""
+        return self.sample_tensors(logits, rows, vocab_mask).to_output()
+
+    def sample_tensors(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       vocab_mask: VocabMask | None = None) -> SampleTensors:
+        """sample() with the result left on the logits' device, for a caller that copies it
+        to the host asynchronously (overlap scheduling on a GPU). Greedy rows without logit
+        processing never wait for the device here; top_p and grammar rows may."""
         self.stats.calls += 1
         b = len(rows)
         if logits.dim() != 2 or logits.shape[0] != b or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not fit {b} rows "
                              f"of vocab {self.vocab_size}")
         if b == 0:
-            return SampleOutput([], [], [])
+            return SampleTensors(torch.empty(0, dtype=torch.int64, device=logits.device))
         # Columns past vocab_size (a padded lm_head) must never be sampled.
         raw = logits[:, : self.vocab_size]
         plan = BatchPlan.build(rows, vocab_mask)
@@ -210,10 +223,7 @@ class Sampler:
             ids_t = _argmax(raw)
         else:
             ids_t = self._sample_slow(raw, rows, plan, vocab_mask)
-
-        ids = ids_t.tolist()
-        logprobs, tops = self._chosen_logprobs(raw, ids_t, rows, plan.logprob)
-        return SampleOutput(ids, logprobs, tops)
+        return self._chosen_logprobs(raw, ids_t, rows, plan.logprob)
 
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor | list[int],
                     top_k: int) -> tuple[list[float], list[list[tuple[float, int]]]]:
@@ -312,7 +322,7 @@ class Sampler:
         """
         dev = logits.device
         params = [r.params for r in rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temps = device_tensor([p.temperature for p in params], torch.float32, dev)
         x = logits.float() / temps.unsqueeze(1)  # a new tensor: the filters below edit it in place
         u = self._uniforms(rows, dev)
         # top_k <= 0 also means "all" for params that skipped normalize().
@@ -338,20 +348,20 @@ class Sampler:
         """
         dev = x.device
         self.stats.top_k_rows += len(params)
-        ks = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev).unsqueeze(1)
-        vals, idx = x.topk(int(ks.max()), dim=-1)
+        ks = device_tensor([p.top_k for p in params], torch.int64, dev).unsqueeze(1)
+        vals, idx = x.topk(max(p.top_k for p in params), dim=-1)
         vals.masked_fill_(torch.arange(vals.shape[1], device=dev) >= ks, float("-inf"))
         if any(p.top_p < 1.0 for p in params):
             self.stats.top_p_rows += sum(p.top_p < 1.0 for p in params)
             # inf for rows without top_p: rounding of the cumsum must not drop their tail.
-            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params],
-                                 dtype=torch.float32, device=dev).unsqueeze(1)
+            top_p = device_tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params],
+                                  torch.float32, dev).unsqueeze(1)
             probs = (vals - torch.logsumexp(vals, dim=-1, keepdim=True)).exp_()
             vals.masked_fill_(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
         if any(p.min_p > 0.0 for p in params):
             self.stats.min_p_rows += sum(p.min_p > 0.0 for p in params)
-            log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params],
-                                     dtype=torch.float32, device=dev).unsqueeze(1)
+            log_min_p = device_tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params],
+                                      torch.float32, dev).unsqueeze(1)
             vals.masked_fill_(vals < vals[:, :1] + log_min_p, float("-inf"))
         return idx.gather(1, _inverse_cdf_draw(vals, u).unsqueeze(1)).squeeze(1)
 
@@ -381,8 +391,8 @@ class Sampler:
                 thr[_index(p_rows, dev)] = t
             if m_rows:
                 self.stats.min_p_rows += len(m_rows)
-                t = _rows_of(x, m_rows).amax(dim=-1) + torch.tensor(
-                    [math.log(params[i].min_p) for i in m_rows], dtype=torch.float32, device=dev)
+                t = _rows_of(x, m_rows).amax(dim=-1) + device_tensor(
+                    [math.log(params[i].min_p) for i in m_rows], torch.float32, dev)
                 idx = _index(m_rows, dev)
                 thr[idx] = torch.maximum(thr[idx], t)
             x.masked_fill_(x < thr.unsqueeze(1), float("-inf"))
@@ -409,31 +419,25 @@ class Sampler:
             r = rows[i]
             self._row_gen.manual_seed(mix_seed(r.params.seed, len(r.output_ids)))
             vals.append(torch.rand(1, dtype=torch.float64, generator=self._row_gen))
-        u[_index(seeded, dev)] = torch.cat(vals).to(dev)
+        u[_index(seeded, dev)] = to_device(torch.cat(vals), dev)
         return u
 
     def _chosen_logprobs(self, raw: torch.Tensor, ids_t: torch.Tensor, rows: list[SamplingRow],
-                         idx: list[int]) -> tuple[list[float | None], list[list[tuple[float, int]] | None]]:
-        b = len(rows)
-        logprobs: list[float | None] = [None] * b
-        tops: list[list[tuple[float, int]] | None] = [None] * b
+                         idx: list[int]) -> SampleTensors:
         if not idx:
-            return logprobs, tops
+            return SampleTensors(ids_t)
         # Only the rows that asked pay for the log_softmax.
+        b = len(rows)
         index = _index(idx, raw.device)
         sub = raw if len(idx) == b else raw.index_select(0, index)
         lsm = torch.log_softmax(sub.float(), dim=-1)
         chosen = ids_t if len(idx) == b else ids_t.index_select(0, index)
-        for i, lp in zip(idx, lsm.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
-            logprobs[i] = lp
-        kmax = min(max(rows[i].top_logprobs_num for i in idx), self.vocab_size)
+        out = SampleTensors(ids_t, list(idx), lsm.gather(1, chosen.unsqueeze(1)).squeeze(1),
+                            top_nums=[rows[i].top_logprobs_num for i in idx])
+        kmax = min(max(out.top_nums), self.vocab_size)
         if kmax > 0:
-            vals, inds = lsm.topk(kmax, dim=-1)
-            for i, v, t in zip(idx, vals.tolist(), inds.tolist()):
-                k = rows[i].top_logprobs_num
-                if k > 0:
-                    tops[i] = list(zip(v[:k], t[:k]))
-        return logprobs, tops
+            out.top_values, out.top_ids = lsm.topk(kmax, dim=-1)
+        return out
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

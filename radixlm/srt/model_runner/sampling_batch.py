@@ -8,14 +8,14 @@ sampler never touches a row with an operation it does not need.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from radixlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SamplingRow", "SampleOutput", "BatchPlan", "VocabMask", "build_stop_ids"]
+__all__ = ["SamplingRow", "SampleOutput", "SampleTensors", "BatchPlan", "VocabMask", "build_stop_ids"]
 
 
 def build_stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
@@ -37,6 +37,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
     # Tokens generated so far; the token sampled now becomes output index len(output_ids).
+    # Under overlap scheduling the newest entry may still be a placeholder (negative; see
+    # scheduler/overlap.py) for rows without penalties: only penalties read the values.
     output_ids: list[int]
     # Tokens masked to -inf while len(output_ids) < params.min_new_tokens (see build_stop_ids).
     stop_ids: frozenset[int] = frozenset()
@@ -46,8 +48,7 @@ class SamplingRow:
 
     @property
     def needs_penalty(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        return self.params.has_penalty
 
     @property
     def needs_bias(self) -> bool:
@@ -78,6 +79,42 @@ class SampleOutput:
     # Top `top_logprobs_num` (logprob, token id) by raw logprob, best first;
     # None where not requested.
     top_logprobs: list[list[tuple[float, int]] | None]
+
+
+@dataclass
+class SampleTensors:
+    """A sample() result before the host has read any of it (so it can stay on the device
+    until a copy-done event says the host copies are there).
+
+    `logprobs[j]` and the top lists of row j belong to request row `logprob_rows[j]`."""
+
+    ids: "torch.Tensor"  # int64 [B]
+    logprob_rows: list[int] = field(default_factory=list)
+    logprobs: "torch.Tensor | None" = None  # float32 [len(logprob_rows)]
+    top_values: "torch.Tensor | None" = None  # float32 [len(logprob_rows), max top_logprobs_num]
+    top_ids: "torch.Tensor | None" = None  # int64, same shape
+    top_nums: list[int] = field(default_factory=list)  # top_logprobs_num of each logprob row
+
+    def map(self, fn: Callable[["torch.Tensor"], "torch.Tensor"]) -> "SampleTensors":
+        """The same result with every tensor replaced by fn(tensor) (e.g. a host copy)."""
+        def opt(t):
+            return None if t is None else fn(t)
+        return SampleTensors(fn(self.ids), self.logprob_rows, opt(self.logprobs), opt(self.top_values),
+                             opt(self.top_ids), self.top_nums)
+
+    def to_output(self) -> SampleOutput:
+        b = int(self.ids.numel())
+        logprobs: list[float | None] = [None] * b
+        tops: list[list[tuple[float, int]] | None] = [None] * b
+        if self.logprobs is not None:
+            for i, lp in zip(self.logprob_rows, self.logprobs.tolist()):
+                logprobs[i] = lp
+        if self.top_values is not None:
+            for i, k, v, t in zip(self.logprob_rows, self.top_nums, self.top_values.tolist(),
+                                  self.top_ids.tolist()):
+                if k > 0:
+                    tops[i] = list(zip(v[:k], t[:k]))
+        return SampleOutput(self.ids.tolist(), logprobs, tops)
 
 
 @dataclass

@@ -7,9 +7,13 @@ across scheduling configurations.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
-from radixlm.scheduler.batch import BatchResult, WorkerBatch
+from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
+from radixlm.scheduler.overlap import fill_snapshots
 
 EMPTY = -1
 
@@ -32,7 +36,20 @@ class FakeRunner:
             h = (h * 31 + t + 7) % 1_000_003
         return h % vocab
 
+    def launch(self, batch: WorkerBatch, prev: LaunchedForward | None = None) -> "DoneForward":
+        """Computes at once, on the host: placeholders are resolved from prev's result."""
+        start = time.perf_counter()
+        if batch.placeholder_source is not None:
+            assert prev is not None and id(prev.batch) == batch.placeholder_source
+            tokens = prev.result().next_token_ids
+            batch.input_ids = [tokens[-t - 1] if t < 0 else t for t in batch.input_ids]
+            fill_snapshots(batch, tokens)
+        result = self.forward(batch)
+        ids = torch.tensor([-1 if t is None else t for t in result.next_token_ids], dtype=torch.int64)
+        return DoneForward(batch, ids, result, start, time.perf_counter())
+
     def forward(self, batch: WorkerBatch) -> BatchResult:
+        assert batch.placeholder_source is None or min(batch.input_ids) >= 0, "unresolved placeholder"
         self.forward_calls.append(batch)
         pos = 0
         n = len(batch.reqs)
@@ -68,6 +85,21 @@ class FakeRunner:
         in_tops = [[[(-2.0, 0)]] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
         return BatchResult(next_ids, logprobs, tops, in_lps, in_tops,
                            grammar_status if batch.grammars is not None else None)
+
+
+@dataclass
+class DoneForward:
+    batch: WorkerBatch
+    tokens: torch.Tensor
+    _result: BatchResult
+    start: float
+    end: float
+
+    def result(self) -> BatchResult:
+        return self._result
+
+    def span(self) -> tuple[float, float]:
+        return self.start, self.end
 
 
 def reference_output(prompt: list[int], max_new: int, vocab: int = 97) -> list[int]:

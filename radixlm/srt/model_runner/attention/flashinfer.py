@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels.indices import build_indptr, build_kv_indices
+from radixlm.kernels.indices import build_indptr
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from radixlm.srt.model_runner.device_tensor import to_device
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import check_kv_cache_backend
 
@@ -75,14 +76,13 @@ class FlashInferAttention(AttentionBackend):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         dev = self.device
         decode = fb.mode == ForwardMode.DECODE
-        max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
-        indices = build_kv_indices(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, max_len, torch.int32)
+        indices = fb.host_kv_indices(fb.seq_lens_cpu, torch.int32)
         fb.attn_metadata = _Meta(
             decode=decode,
             loc=fb.out_cache_loc.to(dev, torch.int64),
             qo_indptr=None if decode else build_indptr(fb.extend_seq_lens.to(dev)),
             kv_indptr=build_indptr(fb.seq_lens.to(dev)),
-            kv_indices=indices.to(dev),
+            kv_indices=to_device(indices, dev),
             kv_last_page_len=torch.ones(fb.batch_size, dtype=torch.int32, device=dev))
 
     def _plan(self, meta: _Meta, q_dtype: torch.dtype, scale: float) -> None:

@@ -27,8 +27,9 @@ except ModuleNotFoundError as e:  # re-raised as ImportError: create_attention_b
     raise ImportError("the triton attention backend needs the `triton` package "
                       "(pip install 'radixlm[gpu]')") from e
 
-from radixlm.kernels.indices import build_indptr, build_kv_indices
+from radixlm.kernels.indices import build_indptr
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from radixlm.srt.model_runner.device_tensor import to_device
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import check_kv_cache_backend
 
@@ -85,15 +86,13 @@ class TritonAttention(AttentionBackend):
         loc = fb.out_cache_loc.to(dev, torch.int64)
         if fb.mode == ForwardMode.DECODE:
             max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
-            indices = build_kv_indices(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, max_len)
+            indices = fb.host_kv_indices(fb.seq_lens_cpu)
             splits = choose_num_kv_splits(fb.batch_size, self.num_kv_heads, max_len, self.block_n,
                                           self.max_kv_splits, self.target_programs)
             fb.attn_metadata = _DecodeMeta(loc, build_indptr(fb.seq_lens.to(dev)), _nonempty(indices, dev),
                                            splits)
         else:
-            max_prefix = max(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu else 0
-            indices = build_kv_indices(fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens,
-                                       max_prefix)
+            indices = fb.host_kv_indices(fb.extend_prefix_lens_cpu)
             fb.attn_metadata = _ExtendMeta(
                 loc, build_indptr(fb.extend_seq_lens.to(dev)), build_indptr(fb.extend_prefix_lens.to(dev)),
                 _nonempty(indices, dev), max(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu else 0)
@@ -120,4 +119,4 @@ def _nonempty(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
     so that kernels always get a real allocation behind the pointer."""
     if indices.numel() == 0:
         return torch.zeros(1, dtype=torch.int64, device=device)
-    return indices.to(device, non_blocking=True)
+    return to_device(indices, device)
