@@ -167,3 +167,78 @@ def test_scheduler_with_deferred_copies_matches_overlap_off(tiny_llama_dir):
     assert all(e.syncs == 1 for e in stream.events)  # each result waited exactly once
     assert sched.placeholder_launches > 10  # decode batches launched on unresolved tokens
     assert sched.timer.busy_s > 0
+
+
+def test_stop_path_storm_with_deferred_copies(tiny_llama_dir):
+    """Aborts landing while a batch is in flight, retractions from a tight pool, a pause with
+    retraction and a (same-weights) weight update, all under overlap with asynchronous host
+    copies: integrity holds every step, no token is delivered twice or after the finish,
+    and every output is the greedy reference or, if aborted, a prefix of it."""
+    import random
+
+    from radixlm.messages import AbortReq, UpdateWeightsFromTensorReq
+    from radixlm.srt.scheduler_process import build_scheduler
+
+    def workload():
+        rng = random.Random(3)
+        return [(f"s{i}", random_prompt(300 + i, rng.randrange(8, 40)), rng.randrange(60, 120)) for i in range(24)]
+
+    def run(overlap: bool, storm: bool):
+        outs: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
+
+        def collect(batch) -> None:
+            for o in batch.outputs:
+                assert o.rid not in finished, f"{o.rid}: output after its finish"
+                outs.setdefault(o.rid, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.rid] = o.finish_reason["type"]
+
+        args = ServerArgs.from_kwargs(model_path=tiny_llama_dir, dtype="float32",
+                                      max_total_tokens=400 if storm else 8192, max_running_requests=12,
+                                      chunked_prefill_size=32, debug_check_integrity=True,
+                                      schedule_conservativeness=0.05, disable_overlap_schedule=not overlap,
+                                      enable_overlap_schedule=overlap)
+        sched, runner = build_scheduler(args, collect)
+        sched.max_live = 0
+        stream = DeferredCopyStream()
+        runner.stream = stream
+        rng = random.Random(9)
+        try:
+            for rid, prompt, n in workload():
+                sp = SamplingParams.from_dict({"max_new_tokens": n, "temperature": 0.0})  # admitted optimistically
+                sched.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=sp))
+            steps = 0
+            while sched.step():
+                steps += 1
+                sched.max_live = max(sched.max_live, len(sched.running))
+                if storm and steps % 47 == 3 and sched.running:  # a batch is in flight now (overlap)
+                    sched.abort(AbortReq(rid=rng.choice(sched.running).rid))
+                if storm and steps % 97 == 5 and sched.waiting:
+                    sched.abort(AbortReq(rid=rng.choice(sched.waiting).rid))
+                if storm and steps == 20:
+                    sched.pause("retract")
+                    sched.resume()
+                if storm and steps == 30:  # drains the launched batch first
+                    w = runner.model.model.norm.weight.detach().clone()
+                    assert sched.handle(UpdateWeightsFromTensorReq(named_tensors=[("model.norm.weight", w)],
+                                                                   flush_cache=False))["num_tensors"] == 1
+            sched.sync()
+            sched.check_integrity()
+            assert sched.is_idle()
+        finally:
+            if sched.worker is not None:
+                sched.worker.shutdown()
+        assert all(e.syncs == 1 for e in stream.events)
+        return outs, finished, sched.stats, sched.max_live
+
+    want, _, _, _ = run(overlap=False, storm=False)
+    got, finished, stats, max_live = run(overlap=True, storm=True)
+    assert set(finished) == set(want) and stats["num_retractions"] > 0 and stats["num_aborted"] > 0
+    assert stats["aborts_in_flight"] > 0 and max_live >= 8
+    assert sum(f != "abort" for f in finished.values()) >= 8
+    for rid, toks in got.items():
+        if finished[rid] == "abort":
+            assert toks == want[rid][:len(toks)], rid
+        else:
+            assert toks == want[rid], rid
