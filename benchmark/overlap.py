@@ -1,13 +1,14 @@
 """Overlap scheduling on and off, in one run: throughput and the scheduler's cost per step.
 
-    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--quantization w8a8_int8] [--kv-cache-dtype int8] [--out F.json]
+    python benchmark/overlap.py [--num 64] [--prompt-len 24] [--output-len 64] [--model-path P] [--device cuda] [--quantization w8a8_int8] [--kv-cache-dtype int8] [--out F.json]
 
 A decode-heavy workload of many small requests goes through the scheduler in-process
 (no IPC, no tokenizer: what is measured is the scheduler + model), once with
 --disable-overlap-schedule and once with --enable-overlap-schedule. Per mode:
   output_tok_per_s          end-to-end throughput of the workload
   step_ms                   mean wall time of one scheduler iteration
-  forward_ms_per_step       model forward time per step (on the worker thread with overlap)
+  forward_ms_per_step       model forward + sampling time per step, from each launch's span
+                            (CUDA timing events on the forward stream; wall time on the CPU)
   scheduler_visible_ms_per_step   time the model waited between forwards (what the scheduler
                             costs that is NOT hidden; forward_idle_fraction is its share)
   scheduler_cpu_ms_per_step CPU time of the scheduler thread per step, the forward excluded
@@ -38,8 +39,8 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
         for o in batch.outputs:
             outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
-    sargs = ServerArgs(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization,
-                       kv_cache_dtype=args.kv_cache_dtype,
+    sargs = ServerArgs(model_path=args.model_path, device=args.device, dtype=args.dtype,
+                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                        disable_overlap_schedule=not overlap, enable_overlap_schedule=overlap)
     sched, runner = build_scheduler(sargs, collect)
 
@@ -87,7 +88,7 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
            "scheduler_cpu_ms_per_step": round(1000 * sched_cpu / steps, 3),
            "scheduler_cpu_fraction": round(sched_cpu / wall, 4),
            "dtype": str(runner.dtype).replace("torch.", ""), "quantization": args.quantization,
-           "kv_cache_dtype": runner.kv_pool.kv_cache_dtype,
+           "kv_cache_dtype": runner.kv_pool.kv_cache_dtype, "device": runner.device,
            "attention_backend": runner.attention_backend_name}
     if sched.worker is not None:
         sched.worker.shutdown()
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model-path", default=None)
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=("w8a8_int8",))
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"))
