@@ -3,7 +3,8 @@
 - launch() returns while the GPU is still busy: the forward of batch N and of batch N+1
   (whose inputs name N's rows) are both queued behind a sleep on the forward stream before
   either has run, and their results equal a synchronous run's;
-- the forward runs on the runner's own stream, not the default one;
+- the forward runs on the runner's own stream, not the default one, and launching a decode
+  batch makes no host-device synchronization at all (torch's sync debug mode);
 - through the Engine, greedy outputs with overlap on and off are identical, and the
   scheduler reports the GPU's idle share between forwards.
 
@@ -61,6 +62,24 @@ def test_launch_returns_before_the_gpu_has_run_the_batch(runner):
     assert got2.logprobs == pytest.approx(want2.logprobs, abs=1e-4)
     start, end = l2.span()
     assert end > start > l1.span()[0]
+
+
+def test_decode_launch_never_makes_the_host_wait(runner):
+    """With torch's sync debug mode set to error, launching a decode batch whose inputs are
+    placeholders (greedy, logprobs, temperature + seed) raises on any host-device wait."""
+    if runner.attention_backend_name != "triton":
+        pytest.skip("torch_native reads lengths on the host; the triton backend is the async one")
+    reqs = _reqs(runner)
+    first = prefill_batch(runner, reqs)
+    l1 = runner.launch(first)
+    batch = decode_batch(runner, reqs, source=first)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        l2 = runner.launch(batch, l1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(t is not None for t in l2.result().next_token_ids)
+    _free(runner, reqs, 1)
 
 
 def test_engine_overlap_on_and_off_agree_on_cuda(tiny_llama_dir):
