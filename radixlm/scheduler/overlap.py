@@ -111,12 +111,8 @@ class ForwardWorker:
         return InFlight(batch, self._pool.submit(self._launch, batch), self.timer)
 
     def _launch(self, batch: WorkerBatch) -> LaunchedForward:
-        prev = None
-        if batch.placeholder_source is not None:
-            prev = self._last
-            assert prev is not None and id(prev.batch) == batch.placeholder_source, \
-                "placeholders name a batch that did not run last"
-        launched = self.runner.launch(batch, prev)
+        # the runner checks that placeholders name this batch (it must read its tokens)
+        launched = self.runner.launch(batch, self._last if batch.placeholder_source is not None else None)
         self._last = launched
         return launched
 
