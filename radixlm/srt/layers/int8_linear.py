@@ -99,13 +99,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     to whole groups, scale float32 [M, Kp / GROUP])."""
     m, k = x.shape
     k_pad = -(-k // GROUP) * GROUP
-    xf = torch.nn.functional.pad(x.float(), (0, k_pad - k)).view(m, k_pad // GROUP, GROUP)
+    q, scale = quantize_last_dim(torch.nn.functional.pad(x.float(), (0, k_pad - k)).view(m, k_pad // GROUP, GROUP))
+    return q.view(m, k_pad), scale
+
+
+def quantize_last_dim(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 over the last dimension of float32 xf: (q int8, same shape; scale float32
+    = amax / 127, one per row). q = round-half-even(x * (127 / amax)); an all-zero row has
+    scale 0 and q 0. The activations' groups and the int8 KV cache's heads use it."""
     # 127 / amax and amax / 127 correctly rounded to float32 (through float64, as the native
-    # kernel does); torch's float32 scalar / tensor is a reciprocal then a product.
-    amax = xf.abs().amax(dim=2).double()
+    # kernels do); torch's float32 scalar / tensor is a reciprocal then a product.
+    amax = xf.abs().amax(dim=-1).double()
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float()
     q = torch.round(xf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q.view(m, k_pad), (amax / 127.0).float()
+    return q, (amax / 127.0).float()
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,

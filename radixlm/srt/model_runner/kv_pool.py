@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.kernels.cpu.hugepages import empty_hugepage
+from radixlm.srt.layers.int8_linear import quantize_last_dim
 
 KV_CACHE_DTYPES = ("auto", "int8")
 
@@ -32,11 +33,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = amax / 127 and q = round-half-even(x * (127 / amax)) in float32, both constants
     rounded once from float64 (as the int8 GEMM's activation quantizer); an all-zero row has
     scale 0 and q 0."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1).double()
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)).float()
-    q = torch.round(xf * inv[..., None]).clamp_(-127, 127).to(torch.int8)
-    return q, (amax / 127.0).float()
+    return quantize_last_dim(x.float())
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
