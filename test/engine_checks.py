@@ -34,6 +34,25 @@ def assert_idle_and_empty(eng: Engine) -> None:
     assert mem["free"] == mem["capacity"] and mem["protected"] == 0
 
 
+def abort_stream_after_three_chunks(engine: Engine, prompt: list[int], rid: str) -> None:
+    """Stream a long greedy request, abort it by rid at its third chunk, and check the abort:
+    the final chunk says so, and the tokens delivered are exactly what the same request
+    computes undisturbed (a greedy prefix; any KV it reused came from the aborted one)."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    chunks = []
+    for chunk in engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **greedy},
+                                 stream=True, rid=rid):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            engine.abort_request(rid)
+    final = chunks[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "abort"
+    assert 3 <= final["completion_tokens"] < 500
+    redo = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
+                                                              **greedy})
+    assert [t for c in chunks for t in c["output_ids"]] == redo["output_ids"]
+
+
 def multiturn(engine: Engine, convs: int, turns: int, user_len: int = 40, max_new: int = 6) -> list[list[int]]:
     """`convs` greedy conversations of `turns` turns, each turn the whole history plus
     `user_len` new random ids; returns every turn's output ids."""

@@ -15,7 +15,8 @@ import torch
 from radixlm import Engine
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
-from test.engine_checks import assert_idle_and_empty, assert_kv_conserved, random_prompt, run_multiturn
+from test.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, assert_kv_conserved,
+                                random_prompt, run_multiturn)
 
 BACKENDS = ["torch_native", pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_ops.available(), reason="native CPU kernels could not be built"))]
@@ -82,21 +83,8 @@ def test_prefix_cache_hit_gives_identical_greedy_output(engine):
 
 
 def test_abort_running_request(engine):
-    prompt = random_prompt(4, 20)
-    chunks = []
-    stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **GREEDY},
-                             stream=True, rid="victim")
-    for chunk in stream:
-        chunks.append(chunk)
-        if len(chunks) == 3:
-            engine.abort_request("victim")
-    final = chunks[-1]["meta_info"]
-    assert final["finish_reason"]["type"] == "abort"
-    assert 3 <= final["completion_tokens"] < 500
     # its KV went to the tree: the same request again reuses it and agrees token for token
-    redo = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
-                                                              **GREEDY})
-    assert [t for c in chunks for t in c["output_ids"]] == redo["output_ids"]
+    abort_stream_after_three_chunks(engine, random_prompt(4, 20), "victim")
     assert_idle_and_empty(engine)
 
 

@@ -54,19 +54,20 @@ def _results(l1, l2):
     return (a.next_token_ids, b.next_token_ids, b.logprobs, b.top_logprobs)
 
 
-def _with_stream(runner, stream):
+def _two_steps_deferred(runner, params: list[dict]):
+    """_two_steps with overlap, on a DeferredCopyStream; returns (prefill, decode, stream)."""
+    stream = DeferredCopyStream()
     old, runner.stream = runner.stream, stream
-    return old
+    try:
+        l1, l2 = _two_steps(runner, params, overlap=True)
+    finally:
+        runner.stream = old
+    return l1, l2, stream
 
 
 def test_next_batch_launches_without_reading_the_previous_tokens(runner):
     want = _results(*_two_steps(runner, PARAMS, overlap=False))
-    stream = DeferredCopyStream()
-    old = _with_stream(runner, stream)
-    try:
-        l1, l2 = _two_steps(runner, PARAMS, overlap=True)
-    finally:
-        runner.stream = old
+    l1, l2, stream = _two_steps_deferred(runner, PARAMS)
     assert isinstance(l1, LaunchedBatch)
     assert [e.syncs for e in stream.events] == [0, 0]  # both launched, nothing waited yet
     # before its event, the host copy is poison: a premature read would return garbage
@@ -81,12 +82,7 @@ def test_next_batch_launches_without_reading_the_previous_tokens(runner):
 def test_penalty_rows_wait_for_the_previous_tokens(runner):
     params = [{}, {"repetition_penalty": 1.7, "frequency_penalty": 0.4}]
     want = _results(*_two_steps(runner, params, overlap=False))
-    stream = DeferredCopyStream()
-    old = _with_stream(runner, stream)
-    try:
-        l1, l2 = _two_steps(runner, params, overlap=True)
-    finally:
-        runner.stream = old
+    l1, l2, stream = _two_steps_deferred(runner, params)
     assert [e.syncs for e in stream.events] == [1, 0]  # the launch of the decode waited for the prefill
     assert l2.batch.output_snapshots == [[t] for t in want[0]]  # placeholders filled with the values
     assert _results(l1, l2) == want

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from radixlm import Engine
-from test.engine_checks import assert_idle_and_empty, random_prompt
+from test.engine_checks import abort_stream_after_three_chunks, assert_idle_and_empty, random_prompt
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -26,19 +26,7 @@ def engine(tiny_llama_dir):
 
 def test_abort_running_stream_returns_partial_output(engine):
     prompt = random_prompt(1, 20)
-    chunks = []
-    stream = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 500, **GREEDY},
-                             stream=True, rid="victim")
-    for chunk in stream:
-        chunks.append(chunk)
-        if len(chunks) == 3:
-            engine.abort_request("victim")
-    final = chunks[-1]["meta_info"]
-    assert final["finish_reason"]["type"] == "abort"
-    assert 3 <= final["completion_tokens"] < 500
-    assert [t for c in chunks for t in c["output_ids"]] == \
-        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
-                                                          **GREEDY})["output_ids"]
+    abort_stream_after_three_chunks(engine, prompt, "victim")
     # the rid is free again at once, and a second abort of it is a no-op
     engine.abort_request("victim")
     again = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, **GREEDY}, rid="victim")

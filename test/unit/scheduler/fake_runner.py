@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
-from radixlm.scheduler.overlap import fill_snapshots
+from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders
 
 EMPTY = -1
 
@@ -41,9 +41,8 @@ class FakeRunner:
         start = time.perf_counter()
         if batch.placeholder_source is not None:
             assert prev is not None and id(prev.batch) == batch.placeholder_source
-            tokens = prev.result().next_token_ids
-            batch.input_ids = [tokens[-t - 1] if t < 0 else t for t in batch.input_ids]
-            fill_snapshots(batch, tokens)
+            batch.input_ids = resolve_placeholders(torch.tensor(batch.input_ids), prev.tokens).tolist()
+            fill_snapshots(batch, prev.result().next_token_ids)
         result = self.forward(batch)
         ids = torch.tensor([-1 if t is None else t for t in result.next_token_ids], dtype=torch.int64)
         return DoneForward(batch, ids, result, start, time.perf_counter())
