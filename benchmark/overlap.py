@@ -69,14 +69,14 @@ def run_mode(overlap: bool, args) -> tuple[dict, dict[str, list[int]]]:
             fwd_cpu[0] += time.thread_time() - c
 
     timer.run = timed_run
-    busy0, idle0, steps0 = timer.busy_s, timer.idle_s, sched.stats["num_steps"]
+    busy0, idle0, steps0 = timer.busy_s, timer.idle_s, sched.stats.num_steps
     submit("r", args.num, args.output_len)
     cpu0, t0 = time.thread_time(), time.perf_counter()
     while sched.step():
         pass
     sched.sync()
     wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
-    steps = sched.stats["num_steps"] - steps0
+    steps = sched.stats.num_steps - steps0
     busy, idle = timer.busy_s - busy0, timer.idle_s - idle0
     sched_cpu = cpu - (0.0 if overlap else fwd_cpu[0])
     res = {"overlap": overlap, "wall_s": round(wall, 3), "steps": steps,

@@ -1,7 +1,10 @@
 """Frozen configuration: ModelConfig (what the weights are) and ServerArgs (how we run).
 
-The command line is generated from ServerArgs' field metadata, so a new knob is one
-field here and nothing else.
+The command line is generated from ServerArgs' field metadata, so a new knob is one field here
+and nothing else. Where a knob names an implementation, its choices are the registry's names
+(`REGISTRY_CHOICES`), read when the command line is built or the arguments are checked. Each
+component gets only its own part (`scheduler_config`, `prefix_cache_config`), never the whole
+ServerArgs. This module describes every layer, so it sits at the top of the layering with srt.
 """
 from __future__ import annotations
 
@@ -9,7 +12,11 @@ import argparse
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
+    from radixlm.scheduler.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,43 @@ def _opt(help: str, choices: tuple | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def _eviction_policies() -> list[str]:
+    from radixlm.radix_cache.eviction import EVICTION_POLICIES
+    return EVICTION_POLICIES.names()
+
+
+def _schedule_policies() -> list[str]:
+    from radixlm.scheduler.policy import SCHEDULE_POLICIES
+    return SCHEDULE_POLICIES.names()
+
+
+def _retraction_policies() -> list[str]:
+    from radixlm.scheduler.retract import RETRACTION_POLICIES
+    return RETRACTION_POLICIES.names()
+
+
+def _write_policies() -> list[str]:
+    from radixlm.hicache.host_tier import WRITE_POLICIES
+    return list(WRITE_POLICIES)
+
+
+def _attention_backends() -> list[str]:
+    from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+    return ["auto", *ATTENTION_BACKENDS.names()]
+
+
+# Fields whose choices are the names in a registry (imported on use: `import radixlm` stays light).
+REGISTRY_CHOICES: dict[str, Callable[[], list[str]]] = {
+    "radix_eviction_policy": _eviction_policies, "schedule_policy": _schedule_policies,
+    "retraction_policy": _retraction_policies, "hicache_write_policy": _write_policies,
+    "attention_backend": _attention_backends}
+
+
+def field_choices(name: str, metadata: Any) -> list[str] | tuple[str, ...] | None:
+    lookup = REGISTRY_CHOICES.get(name)
+    return lookup() if lookup is not None else metadata.get("choices")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _opt("GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct "
@@ -68,26 +112,22 @@ class ServerArgs:
     chunked_prefill_size: int | None = _opt("maximum tokens of one request per prefill chunk "
                                             "(-1 disables chunking; default 2048 on CPU, 8192 on GPU)",
                                             default=None)
-    schedule_policy: str = _opt("order of the waiting queue",
-                                choices=("fcfs", "lpm", "dfs-weight", "lof", "random"), default="fcfs")
+    schedule_policy: str = _opt("order of the waiting queue", default="fcfs")
     schedule_conservativeness: float = _opt("scales the decode-token reservation of running requests",
                                             default=1.0)
     disable_radix_cache: bool = _opt("turn the prefix cache off", default=False)
-    radix_eviction_policy: str = _opt("which unlocked leaves the prefix cache evicts first",
-                                      choices=("lru", "lfu", "fifo", "priority"), default="lru")
+    radix_eviction_policy: str = _opt("which unlocked leaves the prefix cache evicts first", default="lru")
     # ---- HiCache (host KV tier under the radix cache; radixlm/hicache) ----
     enable_hierarchical_cache: bool = _opt("back the radix cache with a host-memory KV tier (HiCache)",
                                            default=False)
     hicache_ratio: float = _opt("host KV pool size as a multiple of the device KV pool", default=2.0)
     hicache_size: float = _opt("host KV pool size in GB; overrides hicache_ratio when > 0", default=0.0)
     hicache_write_policy: str = _opt("when radix-tree nodes are copied to the host tier",
-                                     choices=("write_through", "write_through_selective", "write_back"),
                                      default="write_through")
     # ---- end HiCache ----
-    attention_backend: str = _opt("attention implementation",
-                                  choices=("auto", "cpu", "torch_native", "triton", "flashinfer"), default="auto")
+    attention_backend: str = _opt("attention implementation", default="auto")
     retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
-                                  choices=("length", "priority"), default="length")
+                                  default="length")
     max_queued_requests: int | None = _opt("reject new requests with 503 beyond this many waiting",
                                            default=None)
     request_waiting_timeout: float | None = _opt("abort with 503 a request waiting longer than this (s)",
@@ -111,6 +151,26 @@ class ServerArgs:
         if self.disable_overlap_schedule:
             return False
         return self.enable_overlap_schedule or device == "cuda"
+
+    # ---- each component's part ----
+    def scheduler_config(self, *, max_running_requests: int, chunked_prefill_size: int | None,
+                         device: str) -> "SchedulerConfig":
+        from radixlm.scheduler.config import SchedulerConfig
+        return SchedulerConfig(
+            max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+            max_prefill_tokens=self.max_prefill_tokens, page_size=self.page_size,
+            schedule_policy=self.schedule_policy, schedule_conservativeness=self.schedule_conservativeness,
+            retraction_policy=self.retraction_policy, random_seed=self.random_seed,
+            max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
+            request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
+            stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity)
+
+    def prefix_cache_config(self) -> "PrefixCacheConfig":
+        from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
+        kind = "none" if self.disable_radix_cache else "hiradix" if self.enable_hierarchical_cache else "radix"
+        return PrefixCacheConfig(kind=kind, page_size=self.page_size, eviction_policy=self.radix_eviction_policy,
+                                 hicache_ratio=self.hicache_ratio, hicache_size_gb=self.hicache_size,
+                                 hicache_write_policy=self.hicache_write_policy)
 
     def replace(self, **kw: Any) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -142,7 +202,7 @@ class ServerArgs:
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
+            choices = field_choices(f.name, f.metadata)
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
 
@@ -159,7 +219,7 @@ class ServerArgs:
                 continue
             base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
             typ = base[0] if base[0] in (int, float, str) else str
-            parser.add_argument(flag, type=typ, default=f.default, choices=f.metadata.get("choices"),
+            parser.add_argument(flag, type=typ, default=f.default, choices=field_choices(f.name, f.metadata),
                                 help=help_)
 
     @classmethod

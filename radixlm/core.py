@@ -1,32 +1,29 @@
-"""The request as the scheduler sees it: ids, lengths, status and finish reason.
+"""The request as the scheduler sees it: ids, lengths and finish reason.
 
 KV ownership of one request is described by lengths over its row of the
-request-to-token table (see docs/architecture.md, "Request lifecycle"):
+request-to-token table (see docs/architecture.md, "Who owns what"):
 
-    [0, cache_protected_len)          slots owned by the radix tree, locked through last_node
+    [0, cache_protected_len)          slots owned by the prefix cache, locked through last_node
     [cache_protected_len, kv_committed_len)   slots owned by the request, KV written
     [kv_committed_len, kv_allocated_len)      slots owned by the request, not yet written
 
-Every stop (finish, abort, retract) hands the request to one function of the cache
-manager, which returns the request-owned slots exactly once.
+Those fields are written by the cache manager (radixlm/scheduler/cache_manager.py) alone;
+every stop (finish, abort, retract) hands the request to its one exit, `release`, which returns
+the request-owned slots exactly once.
 """
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.sampling_params import TOP_K_ALL, SamplingParams
 
-__all__ = ["Req", "ReqStatus", "FinishReason", "SamplingParams", "TOP_K_ALL"]
+__all__ = ["Req", "FinishReason", "SamplingParams", "TOP_K_ALL", "KV_FIELDS"]
 
-
-class ReqStatus(enum.Enum):
-    WAITING = "waiting"
-    CHUNKED = "chunked"
-    RUNNING = "running"
-    FINISHED = "finished"
+# The fields only the cache manager writes (test_layering checks that no other module does).
+KV_FIELDS = ("req_pool_idx", "last_node", "cache_protected_len", "kv_committed_len", "kv_allocated_len",
+             "prefix_len", "cached_tokens")
 
 
 @dataclass
@@ -70,20 +67,17 @@ class Req:
     timeout: float | None = None  # seconds from arrival (per-request deadline)
 
     output_ids: list[int] = field(default_factory=list)
-    status: ReqStatus = ReqStatus.WAITING
     finish_reason: FinishReason | None = None
     # Set by abort while the request sits in a launched batch; consumed before other checks.
     to_finish: FinishReason | None = None
 
-    # ---- KV state (reset on retract) ----
+    # ---- KV state: written by the cache manager only, cleared by its release ----
     req_pool_idx: int | None = None
-    last_node: Any = None
+    last_node: Any = None  # the prefix cache's node handle this request locks (opaque here)
     cache_protected_len: int = 0
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
-    prefix_len: int = 0  # tokens matched in the tree at admission
-    extend_input_len: int = 0  # tokens computed by the current prefill chunk
-    is_chunked: int = 0  # >0 while in chunked prefill
+    prefix_len: int = 0  # tokens matched in the prefix cache at admission
     # Overlap scheduling: launched batches holding this request whose results are not yet
     # processed, and tokens sampled by them but not yet appended to output_ids.
     inflight: int = 0
@@ -93,10 +87,11 @@ class Req:
     grammar: Any = None
 
     # ---- reporting ----
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # the prompt's cache hit (set by the cache manager at admission)
     num_retractions: int = 0
-    input_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # prompt logprobs: position 0 (if requested) has none
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     created_time: float = field(default_factory=time.perf_counter)
@@ -121,19 +116,6 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    def reset_for_retract(self) -> None:
-        """Forget every per-admission field; keep output_ids and counters."""
-        self.req_pool_idx = None
-        self.last_node = None
-        self.cache_protected_len = 0
-        self.kv_committed_len = 0
-        self.kv_allocated_len = 0
-        self.prefix_len = 0
-        self.extend_input_len = 0
-        self.is_chunked = 0
-        self.status = ReqStatus.WAITING
-        self.num_retractions += 1
 
     def check_finished(self) -> None:
         """Decide finish after a new output token was appended (stop strings are the detokenizer's)."""

@@ -8,10 +8,12 @@ reads them early sees garbage, and the events record when (and how often) they w
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from radixlm.core import Req
+from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.batch import WorkerBatch
 from radixlm.scheduler.overlap import placeholder
@@ -57,19 +59,39 @@ class DeferredCopyStream(ForwardStream):
         return ev
 
 
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pools(runner) -> tuple[ReqToTokenPool, TokenToKVPoolAllocator]:
+    """Request-slot and KV-slot pools over a hand-driven runner's tables (in the server they are
+    the cache manager's), one pair per runner."""
+    if runner not in _POOLS:
+        _POOLS[runner] = (ReqToTokenPool.over(runner.req_to_token), TokenToKVPoolAllocator(runner.sizes.max_total_tokens))
+    return _POOLS[runner]
+
+
+def free_reqs(runner, reqs: list[Req], n_extra: int) -> None:
+    """Give back the request slots and the prompt + n_extra KV slots of hand-driven requests."""
+    rows, alloc = pools(runner)
+    for r in reqs:
+        alloc.free(rows.req_to_token[r.req_pool_idx, :len(r.origin_input_ids) + n_extra].clone())
+        rows.free(r.req_pool_idx)
+
+
 def make_req(rid: str, prompt: list[int], runner, return_logprob: bool = False, top_logprobs_num: int = 0,
              **params) -> Req:
     sp = SamplingParams.from_dict({"max_new_tokens": 16, "temperature": 0.0, **params})
     req = Req(rid=rid, origin_input_ids=list(prompt), sampling_params=sp, return_logprob=return_logprob,
               top_logprobs_num=top_logprobs_num, eos_token_ids=frozenset(runner.eos_token_ids))
-    req.req_pool_idx = runner.req_to_token_pool.alloc()
+    req.req_pool_idx = pools(runner)[0].alloc()
     return req
 
 
 def _place(runner, req: Req, start: int, n: int) -> torch.Tensor:
-    loc = runner.allocator.alloc(n)
+    rows, alloc = pools(runner)
+    loc = alloc.alloc(n)
     assert loc is not None
-    runner.req_to_token_pool.req_to_token[req.req_pool_idx, start:start + n] = loc
+    rows.req_to_token[req.req_pool_idx, start:start + n] = loc
     return loc
 
 

@@ -7,7 +7,8 @@ Two directions, each with its own worker thread (and, on a GPU, its own side CUD
   scheduler iteration, so the inserts of one iteration's results travel together.
 - **load** (host → device, bringing a node back): `load()` starts the copy at once, because a
   batch about to be launched needs it. `fence_loads()`, called on the forward thread right
-  before a forward (see `LoadFencedRunner`), waits for every load started so far, so a forward
+  before a forward (`HiRadixCache.before_forward`, which the scheduler's forward worker calls),
+  waits for every load started so far, so a forward
   never reads a slot whose KV is still arriving.
 
 Every `write()`/`load()` returns an op id. Acks come back **in submission order**
@@ -32,7 +33,7 @@ import torch
 
 from radixlm.hicache.host_pool import HostKVPool
 
-__all__ = ["CacheController", "CopyBatch", "LoadFencedRunner"]
+__all__ = ["CacheController", "CopyBatch"]
 
 _EMPTY = torch.empty((0,), dtype=torch.int64)
 
@@ -218,22 +219,3 @@ class CacheController:
         for w in self._workers.values():
             w.shutdown(wait=True)
 
-
-class LoadFencedRunner:
-    """Wraps a model runner so each forward first waits for the host→device loads started so
-    far (the loads of the batch it runs were started during that batch's admission). Every
-    other attribute is the wrapped runner's."""
-
-    def __init__(self, runner, controller: CacheController) -> None:
-        self._runner = runner
-        self._controller = controller
-
-    def forward(self, batch):
-        return self.launch(batch).result()
-
-    def launch(self, batch, prev=None):
-        self._controller.fence_loads()
-        return self._runner.launch(batch, prev)
-
-    def __getattr__(self, name: str):
-        return getattr(self._runner, name)

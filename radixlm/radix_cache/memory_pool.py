@@ -1,7 +1,8 @@
 """Index pools: request slots (rows of the request-to-token table) and KV token slots.
 
 These hold indices only; the KV tensors themselves live in the model runner's KV pool,
-which is sized to `capacity + 1` rows because slot 0 is reserved for padding writes.
+which is sized to `capacity + 1` rows because slot 0 is reserved for padding writes. Both pools
+are the cache manager's: it is the only caller of their alloc and free.
 """
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import torch
 class ReqToTokenPool:
     """`req_to_token[r, i]` is the KV slot of token i of the request in row r."""
 
-    def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu",
+                 table: torch.Tensor | None = None) -> None:
         self.size = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        if table is None:
+            table = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        assert tuple(table.shape) == (size, max_context_len) and table.dtype == torch.int64
+        self.req_to_token = table
         self._free: list[int] = list(range(size))[::-1]
+
+    @classmethod
+    def over(cls, table: torch.Tensor) -> ReqToTokenPool:
+        """The rows of an existing table (the model runner's, which its forwards read)."""
+        return cls(table.shape[0], table.shape[1], table=table)
 
     def available_size(self) -> int:
         return len(self._free)

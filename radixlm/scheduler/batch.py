@@ -78,14 +78,35 @@ class LaunchedForward(Protocol):
 
 
 class ModelRunnerProtocol(Protocol):
+    """Everything the scheduler asks of a model runner (radixlm/srt/model_runner/runner.py; the
+    tests' fake runner)."""
+
     vocab_size: int
     max_context_len: int
-
-    def forward(self, batch: WorkerBatch) -> BatchResult:
-        """launch(batch).result()."""
-        ...
+    eos_token_ids: tuple[int, ...]
 
     def launch(self, batch: WorkerBatch, prev: LaunchedForward | None = None) -> LaunchedForward:
         """Start the forward; `prev` (the batch launched just before) is given when the
         batch's input ids hold placeholders naming its rows."""
+        ...
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Replace weights by Hugging Face name, all or nothing; returns how many."""
+        ...
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        ...
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        ...
+
+    def release_memory(self) -> None:
+        """Give the KV pool's memory back (its contents are lost)."""
+        ...
+
+    def resume_memory(self) -> None:
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What get_server_info reports about the model and the device."""
         ...

@@ -1,44 +1,60 @@
-"""The scheduler's single owner of KV bookkeeping: admission, allocation, and the one exit.
+"""The one owner of KV bookkeeping: the only writer of a request's KV fields and the only caller
+of the allocators (request slots and KV slots).
 
-Every stop — finish, abort, retract — calls `release(req, insert=...)`. The radix tree does
-the actual work (`cache_finished_req`); this module only decides *when* and guarantees it
-happens once per admission.
+A request's KV state is lengths over its row of the request-to-token table (see radixlm/core.py):
+`[0, cache_protected_len)` the prefix cache's (locked through `last_node`),
+`[cache_protected_len, kv_allocated_len)` the request's own. The prefix cache is spoken to in
+token ids, slot indices and node handles only (radixlm/radix_cache/prefix_cache.py): it never
+sees a request, and the slots it gives up on `evict` come back here to be freed.
+
+Every stop (finish, abort, retract) calls `release(req, insert=...)` once per admission: the
+computed page-aligned tokens go to the prefix cache (insert=True), the rest is freed.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from radixlm.core import Req
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from radixlm.radix_cache.radix_cache import RadixKey
+from radixlm.radix_cache.prefix_cache import (EMPTY_SLOTS, PREFIX_CACHES, DeviceKV, PrefixCache, PrefixCacheConfig,
+                                              RadixKey, TreeNode)
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CacheManager", "PrefixMatch", "build_prefix_cache"]
+
+
+def build_prefix_cache(config: PrefixCacheConfig, device: DeviceKV | None = None) -> PrefixCache:
+    """The prefix cache named by `config.kind`, from PREFIX_CACHES."""
+    # Imported for their registrations.
+    import radixlm.hicache.hiradix_cache  # noqa: F401
+    import radixlm.radix_cache.no_cache  # noqa: F401
+    import radixlm.radix_cache.radix_cache  # noqa: F401
+
+    return PREFIX_CACHES.get(config.kind)(config, device or DeviceKV(0))
 
 
 @dataclass
 class PrefixMatch:
-    indices: torch.Tensor
-    last_node: object
-    # HiCache: tokens matched in host-only nodes past `last_node`, the deepest of them, and how
-    # many of `indices` were just loaded back from the host tier.
-    host_hit_length: int = 0
-    last_host_node: object = None
-    loaded: int = 0
+    indices: torch.Tensor  # device KV slots of the usable cached prefix
+    last_node: TreeNode
+    loaded: int = 0  # how many of `indices` were just loaded back from a lower tier
 
     def __len__(self) -> int:
         return int(self.indices.numel())
 
 
 class CacheManager:
-    def __init__(self, tree, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 page_size: int = 1) -> None:
-        self.tree = tree
+    def __init__(self, prefix: PrefixCache, req_to_token_pool: ReqToTokenPool,
+                 allocator: TokenToKVPoolAllocator) -> None:
+        self.prefix = prefix
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
-        self.page_size = page_size
+        self.page_size = prefix.page_size
         self.evicted_tokens_total = 0
         # prompt tokens of admitted requests, and how many of them hit each tier (HiCache metrics)
         self.hit_stats = {"admitted_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0}
@@ -48,51 +64,27 @@ class CacheManager:
     def capacity(self) -> int:
         return self.allocator.capacity
 
+    @property
+    def disabled(self) -> bool:
+        return self.prefix.disabled
+
     def available(self) -> int:
         return self.allocator.available_size()
 
     def evictable(self) -> int:
         # HiCache: tokens pinned only by in-flight host copies count too, because eviction
         # waits for those copies when it runs short (admission would otherwise stall on them).
-        return self.tree.evictable_size() + self.tree.copy_pinned_size()
+        return self.prefix.evictable_size() + self.prefix.copy_pinned_size()
 
     def protected(self) -> int:
-        return self.tree.protected_size()
+        return self.prefix.protected_size()
 
     def memory_stats(self) -> dict[str, int]:
         return {"capacity": self.capacity, "free": self.available(),
-                "evictable": self.tree.evictable_size(), "protected": self.protected()}
+                "evictable": self.prefix.evictable_size(), "protected": self.protected()}
 
-    # ---------------------------------------------------------------- admission
-    def match(self, req: Req) -> PrefixMatch:
-        """Longest cached prefix usable by `req`; at least one token is always left to compute
-        so the request gets logits for its next token."""
-        fill = req.fill_ids
-        limit = len(fill) - 1
-        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
-            # input logprobs from logprob_start_len need those positions computed
-            limit = min(limit, req.logprob_start_len)
-        if limit <= 0:
-            return PrefixMatch(torch.empty(0, dtype=torch.int64), self.tree.root)
-        res = self.tree.match_prefix(RadixKey(fill[:limit], req.extra_key))
-        return PrefixMatch(res.device_indices, res.last_node, res.host_hit_length, res.last_host_node)
-
-    # ---------------------------------------------------------------- HiCache
-    def load_back(self, match: PrefixMatch, quota: int) -> PrefixMatch:
-        """Load the host-resident continuation of `match` to the device (all or nothing, at most
-        `quota` tokens); returns the longer match, or `match` when nothing was loaded."""
-        loaded = self.tree.load_back(match.last_host_node, quota)
-        if loaded is None:
-            return match
-        return PrefixMatch(torch.cat([match.indices, loaded]), match.last_host_node, loaded=int(loaded.numel()))
-
-    def note_admission(self, req: Req, match: PrefixMatch) -> None:
-        self.hit_stats["admitted_tokens"] += len(req.fill_ids)
-        self.hit_stats["device_hit_tokens"] += len(match) - match.loaded
-        self.hit_stats["host_hit_tokens"] += match.loaded
-
-    def hicache_stats(self) -> dict | None:
-        stats = self.tree.hicache_stats()
+    def tier_stats(self) -> dict[str, Any] | None:
+        stats = self.prefix.tier_stats()
         if stats is None:
             return None
         h = self.hit_stats
@@ -100,31 +92,48 @@ class CacheManager:
         return {**stats, **h, "device_hit_rate": round(h["device_hit_tokens"] / total, 4),
                 "host_hit_rate": round(h["host_hit_tokens"] / total, 4)}
 
-    def lock(self, node) -> None:
-        self.tree.inc_lock_ref(node)
+    # ---------------------------------------------------------------- every iteration
+    def poll(self) -> None:
+        """Top of every scheduler iteration (HiCache: acks of finished host copies unlock
+        their nodes)."""
+        self.prefix.poll()
 
-    def unlock(self, node) -> None:
-        self.tree.dec_lock_ref(node)
+    def before_forward(self) -> None:
+        """Right before each forward, on the thread that launches it (HiCache: wait for the
+        loads the batch reads)."""
+        self.prefix.before_forward()
 
-    def alloc_tokens(self, n: int) -> torch.Tensor | None:
-        """Allocate n KV slots, evicting unlocked cache leaves when the free list is short."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        self.make_room(n)
-        return self.allocator.alloc(n)
+    # ---------------------------------------------------------------- admission
+    def match(self, req: Req, load_quota: int | None = None) -> PrefixMatch:
+        """Longest cached prefix usable by `req`; at least one token is always left to compute
+        so the request gets logits for its next token. With `load_quota`, a continuation held
+        by a lower tier (HiCache) is loaded back too when it fits the quota."""
+        fill = req.fill_ids
+        limit = len(fill) - 1
+        if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+            # input logprobs from logprob_start_len need those positions computed
+            limit = min(limit, req.logprob_start_len)
+        if limit <= 0:
+            return PrefixMatch(EMPTY_SLOTS.clone(), self.prefix.root)
+        m = self.prefix.match(RadixKey(fill[:limit], req.extra_key))
+        on_device = len(m)
+        if load_quota is not None:
+            m = self.prefix.load_back(m, load_quota, self.alloc_tokens)
+        return PrefixMatch(m.device_indices, m.last_node, loaded=len(m) - on_device)
 
-    def make_room(self, n: int) -> bool:
-        """Evict unlocked cache leaves until n slots are free; whether that succeeded."""
-        short = n - self.available()
-        if short > 0:
-            self.evicted_tokens_total += self.tree.evict(short)
-        return self.available() >= n
+    def lock(self, node: TreeNode) -> None:
+        self.prefix.lock(node)
 
-    def start_request(self, req: Req, match: PrefixMatch) -> bool:
-        """Bind `req` to a request slot with the matched prefix already locked by the caller."""
+    def unlock(self, node: TreeNode) -> None:
+        self.prefix.unlock(node)
+
+    def admit(self, req: Req, match: PrefixMatch) -> bool:
+        """Bind `req` to a request slot with the matched prefix as its cache-owned, locked part;
+        False (nothing held) when no request slot is free."""
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
+        self.prefix.lock(match.last_node)
         n = len(match)
         req.req_pool_idx = idx
         req.last_node = match.last_node
@@ -136,40 +145,141 @@ class CacheManager:
             self.req_to_token_pool.req_to_token[idx, :n] = match.indices
         return True
 
+    def note_admission(self, req: Req, match: PrefixMatch) -> None:
+        """An admission that went through: the prompt's cache hit, and the hit counters."""
+        if not req.output_ids:
+            req.cached_tokens = len(match)  # the prompt's cache hit, not a resume's
+        self.hit_stats["admitted_tokens"] += len(req.fill_ids)
+        self.hit_stats["device_hit_tokens"] += len(match) - match.loaded
+        self.hit_stats["host_hit_tokens"] += match.loaded
+
+    def alloc_tokens(self, n: int) -> torch.Tensor | None:
+        """n KV slots, evicting unlocked cache leaves when the free list is short."""
+        if n == 0:
+            return EMPTY_SLOTS.clone()
+        self.make_room(n)
+        return self.allocator.alloc(n)
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict at least `num_tokens` from the prefix cache if it can; returns how many."""
+        freed = self.prefix.evict(num_tokens)
+        self.allocator.free(freed)
+        self.evicted_tokens_total += int(freed.numel())
+        return int(freed.numel())
+
+    def make_room(self, n: int) -> bool:
+        """Evict unlocked cache leaves until n slots are free; whether that succeeded."""
+        short = n - self.available()
+        if short > 0:
+            self.evict(short)
+        return self.available() >= n
+
     def extend(self, req: Req, num_tokens: int) -> torch.Tensor | None:
-        """Allocate KV for the next `num_tokens` tokens of `req` (after its committed ones)."""
+        """Allocate KV for the next `num_tokens` tokens of `req` (after its allocated ones)."""
         loc = self.alloc_tokens(num_tokens)
         if loc is None:
             return None
         start = req.kv_allocated_len
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, start:start + num_tokens] = loc
+        self.req_to_token_pool.req_to_token[self._idx(req), start:start + num_tokens] = loc
         req.kv_allocated_len = start + num_tokens
         return loc
 
     # ---------------------------------------------------------------- after a forward
     def commit(self, req: Req, num_tokens: int) -> None:
+        """`num_tokens` more of the allocated slots now hold computed KV."""
         req.kv_committed_len += num_tokens
         assert req.kv_committed_len <= req.kv_allocated_len
 
     def cache_prefill(self, req: Req) -> None:
-        """Publish a request's computed prompt KV in the tree so others (and its own later
-        chunks) can share it; the request keeps a lock on it."""
-        self.tree.cache_unfinished_req(req)
+        """After a prefill chunk: publish the page-aligned computed KV in the prefix cache, so
+        others (and the request's own later chunks) share it, and move the request's lock down
+        to the new last node. The unaligned tail stays the request's."""
+        row = self._req_row(req)
+        if self.prefix.disabled:
+            return  # everything stays the request's
+        aligned = self.prefix.page_align(req.kv_committed_len)
+        key = RadixKey(req.fill_ids[:aligned], req.extra_key)
+        cpl = req.cache_protected_len
+        present = self.prefix.insert(key, row[:aligned], priority=req.priority)
+        self._check_prefix_kept(req, present)
+        if present > cpl:
+            # Another request inserted these tokens meanwhile: the cache keeps its slots.
+            self.allocator.free(row[cpl:present].clone())
+        match = self.prefix.match(key, count_hit=False)
+        assert len(match) == aligned, f"re-match after insert found {len(match)} of {aligned} tokens"
+        row[cpl:aligned] = match.device_indices[cpl:]
+        # Lock the new node before unlocking the old one: the shared path never becomes
+        # evictable in between.
+        self.prefix.lock(match.last_node)
+        self.prefix.unlock(req.last_node)
+        req.last_node = match.last_node
+        req.cache_protected_len = aligned
 
     # ---------------------------------------------------------------- the one exit
     def release(self, req: Req, insert: bool = True) -> None:
-        """Return every KV slot and the request slot `req` holds, exactly once.
+        """Return every KV slot and the request slot `req` holds, exactly once: a second call
+        raises instead of freeing slots someone else may own by then.
 
-        insert=True publishes the computed tokens in the tree (finish, client abort,
+        insert=True publishes the computed tokens in the prefix cache (finish, client abort,
         retract); insert=False frees them (errors)."""
-        if req.req_pool_idx is None:
-            return  # never admitted, or already released: nothing held
-        self.tree.cache_finished_req(req, insert=insert)
+        row = self._req_row(req)
+        cpl, allocated = req.cache_protected_len, req.kv_allocated_len
+        if insert and not self.prefix.disabled:
+            aligned = self.prefix.page_align(req.kv_committed_len)
+            key = RadixKey(req.fill_ids[:aligned], req.extra_key)
+            present = self.prefix.insert(key, row[:aligned], priority=req.priority)
+            self._check_prefix_kept(req, present)
+            to_free = [row[cpl:present], row[aligned:allocated]]
+        else:
+            to_free = [row[cpl:allocated]]
+        self.allocator.free(torch.cat(to_free).clone())
+        self.prefix.unlock(req.last_node)
+        self.req_to_token_pool.free(self._idx(req))
+        # Forget the per-admission fields, so that a second release raises in _req_row.
+        req.req_pool_idx = None
+        req.last_node = None
+        req.prefix_len = 0
+        req.cache_protected_len = 0
+        req.kv_committed_len = 0
+        req.kv_allocated_len = 0
 
     def flush(self) -> None:
-        self.tree.reset()
+        self.prefix.reset()
         self.req_to_token_pool.clear()
         self.allocator.clear()
 
     def check_integrity(self, live_reqs: list[Req]) -> None:
-        self.tree.check_integrity([r for r in live_reqs if r.req_pool_idx is not None])
+        from radixlm.scheduler.cache_integrity import check_cache
+
+        check_cache(self, [r for r in live_reqs if r.req_pool_idx is not None])
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _idx(req: Req) -> int:
+        assert req.req_pool_idx is not None, f"request {req.rid!r} holds no request slot"
+        return req.req_pool_idx
+
+    def _req_row(self, req: Req) -> torch.Tensor:
+        """The request's row of req_to_token, after checking its KV lengths are consistent."""
+        if req.req_pool_idx is None:
+            raise RuntimeError(
+                f"request {req.rid!r} holds no request slot: its KV was already released "
+                "(or it was never admitted)")
+        cpl, committed, allocated = req.cache_protected_len, req.kv_committed_len, req.kv_allocated_len
+        max_len = self.req_to_token_pool.max_context_len
+        if not 0 <= cpl <= committed <= allocated <= max_len:
+            raise RuntimeError(
+                f"request {req.rid!r} has inconsistent KV lengths: cache_protected_len={cpl} "
+                f"kv_committed_len={committed} kv_allocated_len={allocated} max_context_len={max_len}")
+        if committed > req.seqlen:
+            raise RuntimeError(f"request {req.rid!r}: kv_committed_len={committed} exceeds its {req.seqlen} tokens")
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx]
+
+    @staticmethod
+    def _check_prefix_kept(req: Req, present: int) -> None:
+        # The locked prefix is in the cache, so insert must find at least that much; less
+        # would mean the request's cache-owned slots get inserted a second time.
+        if present < req.cache_protected_len:
+            raise RuntimeError(
+                f"request {req.rid!r}: insert found {present} tokens but {req.cache_protected_len} "
+                "are locked in the prefix cache (lost lock or wrong fill_ids)")

@@ -1,8 +1,19 @@
 """Turning a step's sampled tokens into request progress and outgoing messages."""
 from __future__ import annotations
 
+import time
+from typing import Protocol
+
 from radixlm.core import FinishReason, Req
 from radixlm.messages import DetokParams, ReqOutput
+from radixlm.scheduler.batch import BatchResult
+from radixlm.scheduler.grammar_queue import grammar_finish
+
+
+class Tokenizer(Protocol):
+    """What the scheduler decodes stop strings with (a Hugging Face tokenizer)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
 class StopStringChecker:
@@ -12,7 +23,7 @@ class StopStringChecker:
     last len(stop) + 8 tokens covers it (a token decodes to at least one byte; the extra
     tokens cover multi-byte characters split across tokens)."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
 
     def check(self, req: Req) -> None:
@@ -62,3 +73,34 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
             out.input_top_logprobs = list(req.input_top_logprobs)
     req.sent_len = len(req.output_ids)
     return out
+
+
+def accept_token(req: Req, result: BatchResult, i: int, stops: StopStringChecker) -> None:
+    """Row i of a step's result for `req`: its sampled token, then whether it finished (a
+    pending abort wins and drops the token)."""
+    if req.to_finish is not None:
+        req.check_finished()  # consumes the pending abort; the sampled token is dropped
+        return
+    if req.first_token_time is None:
+        req.first_token_time = time.perf_counter()
+    token = result.next_token_ids[i]
+    assert token is not None, f"{req.rid}: no token sampled for a sampling row"
+    append_token(req, token, result.logprobs[i], result.top_logprobs[i])
+    req.check_finished()
+    if result.grammar_status is not None:
+        grammar_finish(req, result.grammar_status[i], token)
+    stops.check(req)
+
+
+def record_input_logprobs(req: Req, targets: list[int], result: BatchResult, i: int) -> None:
+    """The prompt logprobs row i of a prefill chunk computed for `req` (position 0 has none)."""
+    lps = result.input_logprobs[i] or []
+    tops = result.input_top_logprobs[i] or []
+    if not req.input_token_logprobs and req.logprob_start_len == 0:
+        req.input_token_logprobs.append((None, req.origin_input_ids[0]))
+        if req.top_logprobs_num > 0:
+            req.input_top_logprobs.append(None)
+    for j, (lp, tok) in enumerate(zip(lps, targets)):
+        req.input_token_logprobs.append((lp, tok))
+        if req.top_logprobs_num > 0:
+            req.input_top_logprobs.append(tops[j])

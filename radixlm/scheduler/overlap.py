@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -69,13 +70,6 @@ class ForwardTimer:
         self._last_end = end
         self.busy_s += end - start
 
-    def run(self, runner: ModelRunnerProtocol, batch: WorkerBatch) -> BatchResult:
-        """Run a batch to its result on the calling thread (overlap off)."""
-        launched = runner.launch(batch, None)
-        result = launched.result()
-        self.add(launched)
-        return result
-
     def idle_fraction(self) -> float:
         total = self.busy_s + self.idle_s
         return self.idle_s / total if total else 0.0
@@ -84,7 +78,7 @@ class ForwardTimer:
 @dataclass
 class InFlight:
     batch: WorkerBatch
-    future: Future
+    future: Future[LaunchedForward]
     timer: ForwardTimer
     _result: BatchResult | None = None
 
@@ -98,23 +92,34 @@ class InFlight:
 
 
 class ForwardWorker:
-    """Launches batches on one background thread, in order (torch releases the GIL inside
-    ops; on a GPU the launch itself returns before the kernels finish)."""
+    """Launches batches in order: on one background thread with overlap (torch releases the
+    GIL inside ops; on a GPU the launch itself returns before the kernels finish), else on the
+    calling thread, to its result. `before_launch` runs right before each launch, on the
+    launching thread (HiCache: the batch's loads from the host tier have landed)."""
 
-    def __init__(self, runner: ModelRunnerProtocol) -> None:
+    def __init__(self, runner: ModelRunnerProtocol, before_launch: Callable[[], None], threaded: bool) -> None:
         self.runner = runner
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-forward")
+        self.before_launch = before_launch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-forward") if threaded else None
         self._last: LaunchedForward | None = None
         self.timer = ForwardTimer()
 
     def submit(self, batch: WorkerBatch) -> InFlight:
-        return InFlight(batch, self._pool.submit(self._launch, batch), self.timer)
+        if self._pool is not None:
+            return InFlight(batch, self._pool.submit(self._launch, batch), self.timer)
+        done: Future[LaunchedForward] = Future()
+        done.set_result(self._launch(batch))
+        launched = InFlight(batch, done, self.timer)
+        launched.result()  # overlap off: the forward runs to its result now
+        return launched
 
     def _launch(self, batch: WorkerBatch) -> LaunchedForward:
+        self.before_launch()
         # the runner checks that placeholders name this batch (it must read its tokens)
         launched = self.runner.launch(batch, self._last if batch.placeholder_source is not None else None)
         self._last = launched
         return launched
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

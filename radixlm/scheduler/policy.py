@@ -54,7 +54,7 @@ class LongestPrefixMatchPolicy(SchedulePolicy):
     cache_aware = True
 
     def order(self, waiting: list[Req]) -> list[Req]:
-        if len(waiting) > LPM_FALLBACK_QUEUE_LEN or getattr(self.cache.tree, "disabled", False):
+        if len(waiting) > LPM_FALLBACK_QUEUE_LEN or self.cache.disabled:
             return FcfsPolicy.order(self, waiting)
         lens = {id(r): len(self.cache.match(r)) for r in waiting}
         return sorted(waiting, key=lambda r: (-lens[id(r)], r.created_time))
@@ -67,7 +67,7 @@ class DfsWeightPolicy(SchedulePolicy):
     cache_aware = True
 
     def order(self, waiting: list[Req]) -> list[Req]:
-        if len(waiting) > LPM_FALLBACK_QUEUE_LEN or getattr(self.cache.tree, "disabled", False):
+        if len(waiting) > LPM_FALLBACK_QUEUE_LEN or self.cache.disabled:
             return FcfsPolicy.order(self, waiting)
         by_node: dict[int, list[Req]] = defaultdict(list)
         nodes: dict[int, object] = {}
@@ -77,7 +77,7 @@ class DfsWeightPolicy(SchedulePolicy):
             nodes[id(node)] = node
         weight: dict[int, int] = defaultdict(int)
         children: dict[int, list[object]] = defaultdict(list)
-        root = self.cache.tree.root
+        root = self.cache.prefix.root
         for nid, node in nodes.items():
             w = len(by_node[nid])
             cur = node

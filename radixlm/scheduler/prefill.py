@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixlm.core import Req, ReqStatus
+from radixlm.core import Req
 from radixlm.scheduler.cache_manager import CacheManager
 
 # Reservation per request is capped so one huge max_new_tokens cannot block admission.
@@ -136,9 +136,7 @@ class PrefillAdder:
         status = self._budget_status()
         if status is not AddStatus.CONTINUE:
             return status, False
-        match = self.cache.match(req)
-        if match.host_hit_length:  # HiCache: bring the host-resident part back first
-            match = self.cache.load_back(match, self.rem_total())
+        match = self.cache.match(req, load_quota=self.rem_total())  # HiCache: loads host hits back
         prefix = len(match)
         extend = len(req.fill_ids) - prefix
         if self.should_defer(req, prefix):
@@ -164,18 +162,13 @@ class PrefillAdder:
             n = self.rem_input // self.page_size * self.page_size
         if n <= 0:
             return AddStatus.OTHER, False
-        self.cache.lock(match.last_node)
-        if not self.cache.start_request(req, match):
-            self.cache.unlock(match.last_node)
+        if not self.cache.admit(req, match):
             return AddStatus.OTHER, False
         loc = self.cache.extend(req, n)
         if loc is None:
             self.cache.release(req, insert=False)
             return AddStatus.NO_TOKEN, False
         last = n == extend
-        if not req.output_ids:
-            req.cached_tokens = prefix  # reported as the prompt's cache hit, not a resume's
-        req.status = ReqStatus.RUNNING if last else ReqStatus.CHUNKED
         self.plan.add(req, prefix, n, loc, last)
         self._account(n, reserve if last else 0)
         self.slots_left -= 1

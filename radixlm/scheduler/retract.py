@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from radixlm.core import Req
+from radixlm.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,22 @@ class NewTokenRatioTracker:
         self.value = min(1.0, (out + RETRACT_DECODE_STEPS * len(remaining)) / (total_max + 1))
 
 
+# Sort keys by name: the *smallest* key is retracted first.
+RETRACTION_POLICIES: Registry[Callable[[Req], tuple[int, ...]]] = Registry("retraction policy")
+
+
+@RETRACTION_POLICIES.register("length")
+def _least_progress(r: Req) -> tuple[int, ...]:
+    """Fewest output tokens first (least work lost); ties: the longest prompt (most KV back)."""
+    return (len(r.output_ids), -len(r.origin_input_ids))
+
+
+@RETRACTION_POLICIES.register("priority")
+def _lowest_priority(r: Req) -> tuple[int, ...]:
+    """Lowest priority first; among equals, the least progress."""
+    return (r.priority, len(r.output_ids), -len(r.origin_input_ids))
+
+
 def retraction_order(reqs: list[Req], policy: str = "length") -> list[Req]:
     """Requests sorted so that the *last* element is the first victim."""
-    if policy == "priority":
-        # Lowest priority retracted first; among equals, the least progress.
-        return sorted(reqs, key=lambda r: (r.priority, len(r.output_ids), -len(r.origin_input_ids)),
-                      reverse=True)
-    if policy != "length":
-        raise ValueError(f"unknown retraction policy {policy!r}")
-    # Fewest output tokens first (least work lost); ties: the longest prompt (most KV back).
-    return sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+    return sorted(reqs, key=RETRACTION_POLICIES.get(policy), reverse=True)

@@ -1,219 +1,164 @@
-"""The scheduler: a thin loop over admission, decode, retraction and result processing.
+"""The scheduler: a loop over admission, decode, retraction and result processing.
 
-One iteration (`step`): apply received messages (aborts take effect only here, never in
-the middle of an iteration) → choose a batch (prefill first, else decode) → run it →
-process its result → send outputs.
+One iteration (`step`) is nano-vllm's three calls: `schedule()` a batch (prefill first, else
+decode), run it, `postprocess()` a result. With overlap scheduling the result processed is the
+previous batch's, while the new one runs. Messages (`handle`) are applied between iterations,
+never in the middle of one. Where every request is lives in one table (`requests`); every
+request ends through `stop` (now, or when the launched batch holding it is processed) and
+`_finish`, its one exit for KV and its one final output.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
-import torch
-
-from radixlm.config import ServerArgs
-from radixlm.core import FinishReason, Req, ReqStatus
-from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ResumeMemoryReq,
-                              TokenizedGenerateReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.core import FinishReason, Req
+from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, TokenizedGenerateReq
+from radixlm.scheduler import control
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
+from radixlm.scheduler.batch_builder import decode_batch, prefill_batch
 from radixlm.scheduler.cache_manager import CacheManager
-from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue, grammar_finish
-from radixlm.scheduler.output import StopStringChecker, append_token, make_output
-from radixlm.scheduler.overlap import ForwardTimer, ForwardWorker, InFlight, placeholder
+from radixlm.scheduler.config import SchedulerConfig
+from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue
+from radixlm.scheduler.output import Tokenizer, StopStringChecker, accept_token, make_output, record_input_logprobs
+from radixlm.scheduler.overlap import ForwardWorker, InFlight
 from radixlm.scheduler.policy import make_policy
 from radixlm.scheduler.prefill import AddStatus, PrefillAdder
+from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
 from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker, retraction_order
+from radixlm.scheduler.stats import CancelLatency, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-# Upper bounds (seconds) of the cancel-latency histogram: abort call -> KV returned.
-CANCEL_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, float("inf"))
+PAUSE_MODES = ("abort", "retract", "in_place")
+# An abort looks for its requests in this order (the order of their final outputs).
+ABORTABLE = (Place.WAITING, Place.GRAMMAR, Place.CHUNKED, Place.PREFILL, Place.RUNNING)
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunnerProtocol, cache: CacheManager,
-                 *, max_running_requests: int, chunked_prefill_size: int | None,
-                 tokenizer=None, send_output: Callable[[BatchTokenOut], None] | None = None,
+    def __init__(self, config: SchedulerConfig, runner: ModelRunnerProtocol, cache: CacheManager, *,
+                 tokenizer: Tokenizer | None = None, send_output: Callable[[BatchTokenOut], None] | None = None,
                  grammar_backend: GrammarBackend | None = None) -> None:
-        self.args = args
+        self.config = config
         self.runner = runner
         self.cache = cache
-        self.max_running = max_running_requests
-        self.chunked_prefill_size = chunked_prefill_size
-        self.policy = make_policy(args.schedule_policy, cache, args.random_seed)
-        self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
+        self.policy = make_policy(config.schedule_policy, cache, config.random_seed)
+        self.ratio = NewTokenRatioTracker(config.schedule_conservativeness)
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
-        self.retraction_policy = args.retraction_policy
-
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
-        # structured-output requests waiting for their grammar to compile (semantics §1)
+        self.requests = RequestTable()
+        # structured-output requests wait (Place.GRAMMAR) for their compile here (semantics §1)
         self.grammar_queue = GrammarQueue(grammar_backend)
-        self.overlap = args.overlap_schedule(getattr(runner, "device", "cpu"))
-        self.worker = ForwardWorker(runner) if self.overlap else None
-        self.timer = self.worker.timer if self.worker else ForwardTimer()
-        self.in_flight: InFlight | None = None
-        # finished requests whose KV a launched batch may still write: released after it
-        self.pending_release: dict[int, Req] = {}
+        self.overlap = config.overlap
+        self.worker = ForwardWorker(runner, cache.before_forward, threaded=config.overlap)
+        self.timer = self.worker.timer
+        self.in_flight: InFlight | None = None  # overlap: the batch launched, result not processed
         self._pending_out: list[ReqOutput] = []
         self.paused = False
-        self.stats = {"num_retractions": 0, "num_prefill_tokens": 0, "num_decode_tokens": 0,
-                      "num_cached_tokens": 0, "num_steps": 0, "num_aborted": 0, "num_finished": 0,
-                      "aborts_waiting": 0, "aborts_chunked": 0, "aborts_running": 0,
-                      "aborts_in_flight": 0, "aborts_grammar": 0, "num_timeouts": 0, "num_rejected": 0}
-        # abort call -> KV returned, seconds (bounded window for percentiles)
-        self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
-        # cumulative histogram of the same, for Prometheus
-        self.cancel_hist = {"buckets": list(CANCEL_LATENCY_BUCKETS), "counts": [0] * len(CANCEL_LATENCY_BUCKETS),
-                            "sum": 0.0, "count": 0}
+        self.stats = SchedulerStats()
+        self.cancel_latency = CancelLatency()
 
-    # ================================================================ messages
-    def handle(self, msg) -> object:
-        if isinstance(msg, TokenizedGenerateReq):
-            return self.add_request(msg)
-        if isinstance(msg, AbortReq):
-            return self.abort(msg)
-        if isinstance(msg, FlushCacheReq):
-            return self.flush_cache()
-        if isinstance(msg, GetInfoReq):
-            return self.get_info()
-        if isinstance(msg, CheckIntegrityReq):
-            self.check_integrity()
-            return True
-        if isinstance(msg, PauseReq):
-            return self.pause(msg.mode)
-        if isinstance(msg, ContinueReq):
-            return self.resume()
-        if isinstance(msg, UpdateWeightsFromTensorReq):
-            return self._weights_op(lambda: self.runner.update_weights_from_tensor(msg.named_tensors),
-                                    msg.flush_cache)
-        if isinstance(msg, UpdateWeightsFromDiskReq):
-            return self._weights_op(lambda: self.runner.update_weights_from_disk(msg.model_path),
-                                    msg.flush_cache)
-        if isinstance(msg, GetWeightsByNameReq):
-            self.sync()
-            return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
-        if isinstance(msg, ReleaseMemoryReq):
-            return self._memory_op(release=True)
-        if isinstance(msg, ResumeMemoryReq):
-            return self._memory_op(release=False)
-        raise TypeError(f"unknown message {type(msg).__name__}")
+    # ================================================================ where requests are
+    @property
+    def waiting(self) -> list[Req]:
+        return self.requests.reqs(Place.WAITING)
 
-    def add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                  eos_token_ids=frozenset(getattr(self.runner, "eos_token_ids", ())),
-                  return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                  logprob_start_len=msg.logprob_start_len, extra_key=msg.extra_key,
-                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
-        error = self._validate(req)
-        if error is not None:
-            req.finish_reason = FinishReason.abort(error, status_code=400)
-            self._emit(req)
-            self._flush_outputs()
-            return
-        limit = self.args.max_queued_requests
-        if limit is not None and len(self.waiting) + len(self.grammar_queue) >= limit:
-            req.finish_reason = FinishReason.abort(f"the queue is full ({limit} waiting requests)",
-                                                   status_code=503)
-            self.stats["num_rejected"] += 1
-            self._emit(req)
-            self._flush_outputs()
-            return
-        grammar = req.sampling_params.grammar
-        if grammar is not None:
-            self.grammar_queue.add(req, grammar)  # _validate made sure there is one
-            return
-        self.waiting.append(req)
+    @property
+    def running(self) -> list[Req]:
+        return self.requests.reqs(Place.RUNNING)
 
-    def _validate(self, req: Req) -> str | None:
-        n = len(req.origin_input_ids)
-        limit = min(self.runner.max_context_len, self.cache.capacity) - 1
-        if n == 0:
-            return "the prompt is empty"
-        if n > limit:
-            return f"the prompt has {n} tokens, more than the maximum of {limit}"
-        if any(not 0 <= t < self.runner.vocab_size for t in req.origin_input_ids):
-            return f"input token ids must be in [0, {self.runner.vocab_size})"
-        sp = req.sampling_params
-        if sp.grammar is not None and not self.grammar_queue.available:
-            return "structured output (json_schema, regex, ebnf) is not available: xgrammar is not installed"
-        # Generation may not run past the context window.
-        sp.max_new_tokens = min(sp.max_new_tokens, self.runner.max_context_len - n)
-        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
-        return None
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.requests.first(Place.CHUNKED)
 
     def in_flight_reqs(self) -> set[int]:
         """ids of requests inside a launched batch whose result is not processed yet (only the
         overlap loop has one between iterations)."""
         return {id(r) for r in self.in_flight.batch.reqs} if self.in_flight is not None else set()
 
+    def live_reqs(self) -> list[Req]:
+        """Every request that holds KV right now."""
+        return self.requests.find(lambda r: r.req_pool_idx is not None, *HOLDS_KV)
+
+    def is_idle(self) -> bool:
+        return not self.requests and self.in_flight is None
+
+    # ================================================================ messages
+    def handle(self, msg: object) -> object:
+        return control.dispatch(self, msg)
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
+                  eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
+                  top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
+                  extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
+        error = self._validate(req)
+        limit = self.config.max_queued_requests
+        if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
+            self.stats.num_rejected += 1
+            error = (f"the queue is full ({limit} waiting requests)", 503)
+        if error is not None:
+            req.finish_reason = FinishReason.abort(error[0], status_code=error[1])
+            self._emit(req)
+            self._flush_outputs()
+            return
+        grammar = req.sampling_params.grammar
+        if grammar is not None:
+            self.requests.put(req, Place.GRAMMAR)
+            self.grammar_queue.add(req, grammar)  # _validate made sure there is a backend
+            return
+        self.requests.put(req, Place.WAITING)
+
+    def _validate(self, req: Req) -> tuple[str, int] | None:
+        n = len(req.origin_input_ids)
+        limit = min(self.runner.max_context_len, self.cache.capacity) - 1
+        if n == 0:
+            return "the prompt is empty", 400
+        if n > limit:
+            return f"the prompt has {n} tokens, more than the maximum of {limit}", 400
+        if any(not 0 <= t < self.runner.vocab_size for t in req.origin_input_ids):
+            return f"input token ids must be in [0, {self.runner.vocab_size})", 400
+        sp = req.sampling_params
+        if sp.grammar is not None and not self.grammar_queue.available:
+            return "structured output (json_schema, regex, ebnf) is not available: xgrammar is not installed", 400
+        # Generation may not run past the context window.
+        sp.max_new_tokens = min(sp.max_new_tokens, self.runner.max_context_len - n)
+        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
+        return None
+
     def abort(self, msg: AbortReq) -> int:
         """Apply an abort at the top of an iteration; returns how many requests it hit."""
         if msg.rids and not isinstance(msg.rids, set):
-            msg.rids = set(msg.rids)  # type: ignore[assignment]
-        reason = FinishReason.abort()
-        in_flight = self.in_flight_reqs()
-        count = 0
-        # method 1: not admitted (waiting, or retracted and waiting to resume)
-        for req in [r for r in self.waiting if abort_matches(msg, r.rid)]:
-            self.waiting.remove(req)
+            msg.rids = set(msg.rids)  # type: ignore[assignment]  # O(1) lookups
+        hits = self.requests.find(lambda r: r.to_finish is None and not r.finished and abort_matches(msg, r.rid),
+                                  *ABORTABLE)
+        for req in hits:
             req.abort_sent_time = msg.sent_time or None
-            self._finish(req, reason, insert=True)
-            self.stats["aborts_waiting"] += 1
-            count += 1
-        # method 2: waiting for a grammar compile: cancel it, answer at once (no KV held)
-        for req in [r for r in self.grammar_queue.reqs if abort_matches(msg, r.rid)]:
-            self.grammar_queue.remove(req)
-            req.abort_sent_time = msg.sent_time or None
-            self._finish(req, reason, insert=True)
-            self.stats["aborts_grammar"] += 1
-            count += 1
-        # chunked prefill: computed chunks stay in the tree, the next chunk never runs
-        req = self.chunked_req
-        if req is not None and abort_matches(msg, req.rid):
-            req.abort_sent_time = msg.sent_time or None
-            if id(req) in in_flight:
-                req.to_finish = reason
-                self.stats["aborts_in_flight"] += 1
-            else:
-                self.chunked_req = None
-                self._finish(req, reason, insert=True)
-                self.stats["aborts_chunked"] += 1
-            count += 1
-        # in a launched prefill batch (not yet back in running or chunked): consumed at processing
-        if self.in_flight is not None and not self.in_flight.batch.is_decode:
-            for req in self.in_flight.batch.reqs:
-                if req.to_finish is None and not req.finished and abort_matches(msg, req.rid) \
-                        and req is not self.chunked_req:
-                    req.abort_sent_time = msg.sent_time or None
-                    req.to_finish = reason
-                    self.stats["aborts_in_flight"] += 1
-                    count += 1
-        # method 3: running; inside a launched batch the next result processing consumes it
-        for req in [r for r in self.running if abort_matches(msg, r.rid) and r.to_finish is None]:
-            req.abort_sent_time = msg.sent_time or None
-            if id(req) in in_flight:
-                req.to_finish = reason
-                self.stats["aborts_in_flight"] += 1
-            else:
-                self.running.remove(req)
-                self._finish(req, reason, insert=True)
-                self.stats["aborts_running"] += 1
-            count += 1
-        self.stats["num_aborted"] += count
+            self.stats.count_abort(self.stop(req, FinishReason.abort()))
+        self.stats.num_aborted += len(hits)
         self._flush_outputs()
-        return count
+        return len(hits)
+
+    def stop(self, req: Req, reason: FinishReason) -> str:
+        """End `req` with `reason`: now, or, while a launched batch holds it (its KV is being
+        written), when that batch's result is processed (the step's token is then dropped).
+        Returns where it was stopped: its place, or "in_flight"."""
+        if id(req) in self.in_flight_reqs():
+            req.to_finish = reason
+            return "in_flight"
+        place = self.requests.remove(req)
+        assert place is not Place.PREFILL, "a prefill request outside the launched batch"
+        if place is Place.GRAMMAR:
+            self.grammar_queue.remove(req)  # cancel its compile if nobody else waits for it
+        self._finish(req, reason)
+        return place.value
 
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
         now = time.perf_counter()
-        wait_limit, run_limit = self.args.request_waiting_timeout, self.args.request_running_timeout
+        wait_limit, run_limit = self.config.request_waiting_timeout, self.config.request_running_timeout
 
         def expired(req: Req, waiting: bool) -> str | None:
             if req.timeout is not None and now - req.created_time > req.timeout:
@@ -225,74 +170,30 @@ class Scheduler:
                 return f"request ran longer than {run_limit:g} s"
             return None
 
-        for req in list(self.waiting):
-            why = expired(req, waiting=True)
-            if why:
-                self.waiting.remove(req)
-                self._finish(req, FinishReason.abort(why, status_code=503), insert=True)
-                self.stats["num_timeouts"] += 1
-        for req in self.grammar_queue.reqs:
-            why = expired(req, waiting=True)
-            if why:
-                self.grammar_queue.remove(req)
-                self._finish(req, FinishReason.abort(why, status_code=503), insert=True)
-                self.stats["num_timeouts"] += 1
-        in_flight = self.in_flight_reqs()
-        live = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
-        for req in live:
-            why = req.to_finish is None and expired(req, waiting=False)
-            if not why:
-                continue
-            self.stats["num_timeouts"] += 1
-            reason = FinishReason.abort(why, status_code=503)
-            if id(req) in in_flight:
-                req.to_finish = reason
-            elif req is self.chunked_req:
-                self.chunked_req = None
-                self._finish(req, reason, insert=True)
-            else:
-                self.running.remove(req)
-                self._finish(req, reason, insert=True)
+        for waiting, places in ((True, (Place.WAITING, Place.GRAMMAR)), (False, (Place.RUNNING, Place.CHUNKED))):
+            for req in self.requests.find(lambda r: r.to_finish is None, *places):
+                why = expired(req, waiting)
+                if why:
+                    self.stats.num_timeouts += 1
+                    self.stop(req, FinishReason.abort(why, status_code=503))
 
     def pause(self, mode: str) -> bool:
         """Stop scheduling. abort: answer everything; retract: running requests go back to
         waiting and their KV to the tree; in_place: keep requests and KV as they are."""
-        if mode not in ("abort", "retract", "in_place"):
+        if mode not in PAUSE_MODES:
             raise ValueError(f"unknown pause mode {mode!r}")
         self.sync()
         self.paused = True
         if mode == "abort":
             self.abort(AbortReq(abort_all=True))
         elif mode == "retract":
-            for req in list(self.running):
+            for req in self.requests.reqs(Place.RUNNING, Place.CHUNKED):
                 self._retract(req)
-            self.running = []
-            if self.chunked_req is not None:
-                self._retract(self.chunked_req)
-                self.chunked_req = None
             self._flush_outputs()
         return True
 
     def resume(self) -> bool:
         self.paused = False
-        return True
-
-    def _weights_op(self, op, flush: bool) -> dict:
-        """Weights change only between forwards: the launched batch resolves first. The
-        cache is namespaced by weight version, so old KV is never served afterwards."""
-        self.sync()
-        n = op()
-        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False}
-
-    def _memory_op(self, release: bool) -> bool:
-        self.sync()
-        if release:
-            if not self.is_idle():
-                raise RuntimeError("cannot release memory while requests are running; pause or abort them first")
-            self.cache.flush()  # the KV pool's contents are about to vanish
-            self.runner.release_memory()
-        else:
-            self.runner.resume_memory()
         return True
 
     def flush_cache(self) -> bool:
@@ -302,51 +203,63 @@ class Scheduler:
         self.cache.flush()
         return True
 
+    def get_info(self) -> dict[str, Any]:
+        return control.server_info(self)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity(self.live_reqs())
+
     # ================================================================ the loop
-    def is_idle(self) -> bool:
-        return (not self.waiting and not self.running and self.chunked_req is None
-                and self.in_flight is None and not self.pending_release and not self.grammar_queue)
-
-    def live_reqs(self) -> list[Req]:
-        """Every request that holds KV right now."""
-        seen: dict[int, Req] = {id(r): r for r in self.running}
-        if self.chunked_req is not None:
-            seen[id(self.chunked_req)] = self.chunked_req
-        if self.in_flight is not None:
-            seen.update((id(r), r) for r in self.in_flight.batch.reqs if r.req_pool_idx is not None)
-        seen.update(self.pending_release)
-        return list(seen.values())
-
     def step(self) -> bool:
-        """One iteration. Returns False when there was nothing to do."""
-        self.cache.tree.check_events()  # HiCache: acks of finished host copies unlock their nodes
+        """One iteration; False when there was nothing to do."""
+        self.cache.poll()  # HiCache: acks of finished host copies unlock their nodes
         self.check_timeouts()
         self._admit_compiled()
-        if self.overlap:
-            return self._step_overlap()
-        batch = None if self.paused else self.get_next_batch()
-        if batch is None:
+        batch = self.schedule()
+        launched = self._launch(batch) if batch is not None else None
+        done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
+        if batch is None and done is None:
             return self._idle()
-        self._mark_launched(batch)
-        self._process(batch, self.timer.run(self.runner, batch))
+        if done is not None:
+            self.postprocess(done.batch, done.result())
         self._end_step()
         return True
 
-    def _step_overlap(self) -> bool:
-        """Launch batch N+1, then process batch N while N+1 computes."""
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def schedule(self) -> WorkerBatch | None:
+        """The next batch: prefill when any request can be admitted, else a decode step."""
         if self.in_flight is not None and not self.in_flight.batch.is_decode:
             self.sync()  # a prefill's requests join decode only once its result is known
-        batch = None if self.paused else self.get_next_batch()
-        prev, self.in_flight = self.in_flight, None
-        if batch is not None:
-            self._mark_launched(batch)
-            self.in_flight = self.worker.submit(batch)
-        if prev is not None:
-            self._process(prev.batch, prev.result())
-        if batch is None and prev is None:
-            return self._idle()
-        self._end_step()
-        return True
+        if self.paused:
+            return None
+        batch = self.get_prefill_batch()
+        if batch is None and self.requests.count(Place.RUNNING):
+            batch = self.get_decode_batch()
+        return batch
+
+    def sync(self) -> None:
+        """Process the launched batch now (pause, flush, retraction and weight updates need
+        nothing in flight)."""
+        if self.in_flight is not None:
+            prev, self.in_flight = self.in_flight, None
+            self.postprocess(prev.batch, prev.result())
+            self._flush_outputs()
+
+    def _launch(self, batch: WorkerBatch) -> InFlight:
+        for req, samples in zip(batch.reqs, batch.sample):
+            req.inflight += 1
+            if samples:
+                req.pending_tokens += 1
+        return self.worker.submit(batch)
+
+    def _end_step(self) -> None:
+        self.stats.num_steps += 1
+        if self.config.debug_check_integrity:
+            self.check_integrity()
+        self._flush_outputs()
 
     def _idle(self) -> bool:
         """Nothing to run. Returns False (the caller may block on its inbox) unless a grammar
@@ -360,115 +273,46 @@ class Scheduler:
         return False
 
     def _admit_compiled(self) -> None:
-        """Grammar queue → waiting queue for compiled grammars; failed compiles answered with 400."""
+        """Compiled grammars: their requests start waiting; failed compiles are answered (400)."""
         if not self.grammar_queue:
             return
         ready, failed = self.grammar_queue.pop_ready()
-        self.waiting.extend(ready)
+        for req in ready:
+            self.requests.put(req, Place.WAITING)
         for req, reason in failed:
-            self._finish(req, reason, insert=True)
-
-    def sync(self) -> None:
-        """Process the launched batch now (pause, flush, retraction and weight updates need
-        nothing in flight)."""
-        if self.in_flight is not None:
-            prev, self.in_flight = self.in_flight, None
-            self._process(prev.batch, prev.result())
-            self._flush_outputs()
-
-    def _end_step(self) -> None:
-        self.stats["num_steps"] += 1
-        if self.args.debug_check_integrity:
-            self.check_integrity()
-        self._flush_outputs()
-
-    def _mark_launched(self, batch: WorkerBatch) -> None:
-        for req, samples in zip(batch.reqs, batch.sample):
-            req.inflight += 1
-            if samples:
-                req.pending_tokens += 1
-
-    def _process(self, batch: WorkerBatch, result: BatchResult) -> None:
-        for req, samples in zip(batch.reqs, batch.sample):
-            req.inflight -= 1
-            if samples:
-                req.pending_tokens -= 1
-        if batch.is_decode:
-            self.process_decode_result(batch, result)
-        else:
-            self.process_prefill_result(batch, result)
-        for req in batch.reqs:
-            if req.inflight == 0 and self.pending_release.pop(id(req), None) is not None:
-                self.cache.release(req, insert=True)
-
-    def run_until_idle(self) -> None:
-        while self.step():
-            pass
-
-    def check_integrity(self) -> None:
-        self.cache.check_integrity(self.live_reqs())
+            self.requests.remove(req)
+            self._finish(req, reason)
 
     # ================================================================ batch choice
     def get_next_batch(self) -> WorkerBatch | None:
-        batch = self.get_prefill_batch()
-        if batch is not None:
-            return batch
-        if self.running:
-            return self.get_decode_batch()
-        return None
+        return self.schedule()
 
     def get_prefill_batch(self) -> WorkerBatch | None:
-        if not self.waiting and self.chunked_req is None:
+        chunked, waiting = self.chunked_req, self.waiting
+        if not waiting and chunked is None:
             return None
-        adder = PrefillAdder(self.cache, self.running, self.ratio.value, self.args.max_prefill_tokens,
-                             self.chunked_prefill_size, self.max_running, self.args.page_size)
+        cfg = self.config
+        adder = PrefillAdder(self.cache, self.running, self.ratio.value, cfg.max_prefill_tokens,
+                             cfg.chunked_prefill_size, cfg.max_running_requests, cfg.page_size)
         status = AddStatus.CONTINUE
-        if self.chunked_req is not None:
-            status = adder.add_chunked_req(self.chunked_req)
+        if chunked is not None:
+            status = adder.add_chunked_req(chunked)
         if status is AddStatus.CONTINUE:
-            for req in self.policy.order(self.waiting):
+            for req in self.policy.order(waiting):
                 status, _ = adder.add_one_req(req)
                 if status is not AddStatus.CONTINUE or adder.plan.new_chunked_req is not None:
                     break
         plan = adder.plan
         if not plan.reqs:
             return None
-        if self.chunked_req is not None and self.chunked_req in plan.reqs:
-            self.chunked_req = None  # back in process_prefill_result if a chunk remains
-        admitted = {id(r) for r in plan.reqs}
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
         now = time.perf_counter()
-        for r in plan.reqs:
-            if r.admit_time is None:
-                r.admit_time = now
-        input_ids: list[int] = []
-        ranges, targets = [], []
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
-            fill = req.fill_ids
-            input_ids.extend(fill[prefix:prefix + extend])
-            r, t = self._input_logprob_range(req, prefix, extend)
-            ranges.append(r)
-            targets.append(t)
-            self.stats["num_prefill_tokens"] += extend
-            self.stats["num_cached_tokens"] += prefix if prefix == req.prefix_len else 0
-        return WorkerBatch(mode="extend", reqs=plan.reqs, input_ids=input_ids,
-                           out_cache_loc=torch.cat(plan.out_locs), prefix_lens=plan.prefix_lens,
-                           extend_lens=plan.extend_lens, sample=plan.sample,
-                           input_logprob_ranges=ranges, input_logprob_targets=targets,
-                           grammars=self._grammars(plan.reqs))
-
-    @staticmethod
-    def _input_logprob_range(req: Req, prefix: int, extend: int) -> tuple[tuple[int, int], list[int]]:
-        """Extend indices whose next-token logprobs are prompt logprobs for this request."""
-        n_prompt = len(req.origin_input_ids)
-        if not req.return_logprob or req.logprob_start_len < 0 or req.output_ids:
-            return (0, 0), []
-        # Position p's hidden state predicts token p + 1; prompt tokens from start need it.
-        lo = max(req.logprob_start_len - 1, prefix) - prefix
-        hi = min(n_prompt - 1, prefix + extend) - prefix
-        if hi <= lo:
-            return (0, 0), []
-        return (lo, hi), req.origin_input_ids[prefix + lo + 1: prefix + hi + 1]
+            self.requests.put(req, Place.PREFILL)  # back to CHUNKED in postprocess if a chunk remains
+            if req.admit_time is None:
+                req.admit_time = now
+            self.stats.num_prefill_tokens += extend
+            self.stats.num_cached_tokens += prefix if prefix == req.prefix_len else 0
+        return prefill_batch(plan)
 
     def get_decode_batch(self) -> WorkerBatch | None:
         candidates = self._decode_candidates()
@@ -480,97 +324,83 @@ class Scheduler:
         reqs = self._decode_candidates()
         if not reqs:
             return None
-        src = self.in_flight.batch if self.in_flight is not None else None
-        src_rows = {id(r): i for i, r in enumerate(src.reqs)} if src is not None else {}
-        locs, input_ids, prefix_lens, snapshots = [], [], [], []
-        for req in reqs:
-            position = len(req.fill_ids) + req.pending_tokens - 1
-            loc = self.cache.extend(req, 1)
-            assert loc is not None, "decode memory was checked"
-            assert req.kv_allocated_len == position + 1, "decode slot out of step with the sequence"
-            locs.append(loc)
-            prefix_lens.append(position)
-            # the newest token is still being sampled by the launched batch: name its row
-            input_ids.append(placeholder(src_rows[id(req)]) if req.pending_tokens else req.output_ids[-1])
-            if self.overlap:
-                snapshots.append(req.output_ids + [input_ids[-1]] if req.pending_tokens else list(req.output_ids))
+        batch = decode_batch(reqs, self.cache, self.in_flight.batch if self.in_flight is not None else None,
+                             self.overlap)
         self.ratio.on_decode_step()
-        self.stats["num_decode_tokens"] += len(reqs)
-        n = len(reqs)
-        return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=torch.cat(locs),
-                           prefix_lens=prefix_lens, extend_lens=[1] * n, sample=[True] * n,
-                           input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
-                           placeholder_source=id(src) if any(r.pending_tokens for r in reqs) else None,
-                           output_snapshots=snapshots if self.overlap else None,
-                           grammars=self._grammars(reqs))
-
-    @staticmethod
-    def _grammars(reqs: list[Req]) -> list | None:
-        return [r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None
+        self.stats.num_decode_tokens += len(reqs)
+        return batch
 
     def _decode_candidates(self) -> list[Req]:
         """Running requests that need another token: not being aborted, and not certain to
         reach max_new_tokens with the token already in flight."""
-        return [r for r in self.running if r.to_finish is None
-                and len(r.output_ids) + r.pending_tokens < r.sampling_params.max_new_tokens]
+        return self.requests.find(lambda r: r.to_finish is None and len(r.output_ids) + r.pending_tokens
+                                  < r.sampling_params.max_new_tokens, Place.RUNNING)
 
     # ================================================================ retraction
     def _decode_fits(self, num_reqs: int, steps: int) -> bool:
-        return self.cache.make_room(num_reqs * steps * self.args.page_size)
+        return self.cache.make_room(num_reqs * steps * self.config.page_size)
 
     def _ensure_decode_memory(self) -> None:
-        if self._decode_fits(len(self.running), 1):
+        if self._decode_fits(self.requests.count(Place.RUNNING), 1):
             return
-        order = retraction_order(self.running, self.retraction_policy)
+        order = retraction_order(self.running, self.config.retraction_policy)
         retracted = 0
         while len(order) > 1 and not self._decode_fits(len(order), RETRACT_DECODE_STEPS):
             self._retract(order.pop())
             retracted += 1
-        self.running = [r for r in self.running if r in order]
         if retracted:
-            self.stats["num_retractions"] += retracted
+            self.stats.num_retractions += retracted
             self.ratio.on_retract(self.running)
             logger.info("retracted %d request(s); new_token_ratio -> %.3f", retracted, self.ratio.value)
-        if not self._decode_fits(len(self.running), 1):
+        if not self._decode_fits(self.requests.count(Place.RUNNING), 1):
             # A single request that cannot get one more slot: answer it instead of crashing.
-            for req in list(self.running):
-                self.running.remove(req)
-                self._finish(req, FinishReason.abort("out of memory: the KV cache cannot hold this "
-                                                     "request", status_code=500), insert=True)
+            for req in self.running:
+                self.stop(req, FinishReason.abort("out of memory: the KV cache cannot hold this request",
+                                                  status_code=500))
 
     def _retract(self, req: Req) -> None:
-        """Back to waiting: computed KV goes to the tree (reused on resume if it survives)."""
+        """Back to waiting (preemption is free + requeue): computed KV goes to the tree,
+        reused on resume if it survives."""
         self.cache.release(req, insert=True)
-        req.reset_for_retract()
-        self.waiting.append(req)
+        req.num_retractions += 1
+        self.requests.put(req, Place.WAITING)
 
     # ================================================================ results
+    def postprocess(self, batch: WorkerBatch, result: BatchResult) -> None:
+        for req, samples in zip(batch.reqs, batch.sample):
+            req.inflight -= 1
+            if samples:
+                req.pending_tokens -= 1
+        if batch.is_decode:
+            self.process_decode_result(batch, result)
+        else:
+            self.process_prefill_result(batch, result)
+        for req in batch.reqs:
+            if req.inflight == 0 and self.requests.where(req) is Place.RELEASING:
+                self.requests.remove(req)
+                self.cache.release(req, insert=True)
+
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:
         for i, req in enumerate(batch.reqs):
             self.cache.commit(req, batch.extend_lens[i])
             if req.to_finish is not None:  # aborted while this batch was in flight
-                if self.chunked_req is req:
-                    self.chunked_req = None
-                self._finish(req, req.to_finish, insert=True)
+                self._finish(req, req.to_finish)
                 continue
             if result.input_logprobs[i] is not None:
-                self._record_input_logprobs(req, batch, i, result)
+                record_input_logprobs(req, batch.input_logprob_targets[i], result, i)
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)
-                req.status = ReqStatus.CHUNKED
-                self.chunked_req = req
+                self.requests.put(req, Place.CHUNKED)
                 continue
-            req.is_chunked = 0
             if req.sampling_params.max_new_tokens == 0:
                 req.finish_reason = FinishReason("length", length=0)
             else:
-                self._accept_token(req, result, i)
-            if req.finished:
-                self._finish(req, req.finish_reason, insert=True)
+                accept_token(req, result, i, self.stop_checker)
+            if req.finish_reason is not None:
+                self._finish(req, req.finish_reason)
             else:
                 self.cache.cache_prefill(req)
-                req.status = ReqStatus.RUNNING
-                self.running.append(req)
+                self.requests.put(req, Place.RUNNING)
                 self._maybe_stream(req)
 
     def process_decode_result(self, batch: WorkerBatch, result: BatchResult) -> None:
@@ -579,65 +409,33 @@ class Scheduler:
             if req.finished:
                 continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
-            self._accept_token(req, result, i)
+            accept_token(req, result, i, self.stop_checker)
             if req.finished:
                 finished.append(req)
             else:
                 self._maybe_stream(req)
-        if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-            for req in finished:
-                self._finish(req, req.finish_reason, insert=True)
+        for req in finished:
+            assert req.finish_reason is not None
+            self._finish(req, req.finish_reason)
 
-    def _accept_token(self, req: Req, result: BatchResult, i: int) -> None:
-        if req.to_finish is not None:
-            req.check_finished()  # consumes the pending abort; the sampled token is dropped
-            return
-        if req.first_token_time is None:
-            req.first_token_time = time.perf_counter()
-        append_token(req, result.next_token_ids[i], result.logprobs[i], result.top_logprobs[i])
-        req.check_finished()
-        if result.grammar_status is not None:
-            grammar_finish(req, result.grammar_status[i], result.next_token_ids[i])
-        self.stop_checker.check(req)
-
-    def _record_input_logprobs(self, req: Req, batch: WorkerBatch, i: int, result: BatchResult) -> None:
-        if not req.input_token_logprobs and req.logprob_start_len == 0:
-            req.input_token_logprobs.append((None, req.origin_input_ids[0]))
-            if req.top_logprobs_num > 0:
-                req.input_top_logprobs.append(None)
-        targets = batch.input_logprob_targets[i]
-        for j, (lp, tok) in enumerate(zip(result.input_logprobs[i], targets)):
-            req.input_token_logprobs.append((lp, tok))
-            if req.top_logprobs_num > 0:
-                req.input_top_logprobs.append(result.input_top_logprobs[i][j])
-
-    def _finish(self, req: Req, reason: FinishReason, insert: bool) -> None:
+    def _finish(self, req: Req, reason: FinishReason, insert: bool = True) -> None:
         """Terminal state: the request's one exit for KV and its one final output."""
+        self.requests.discard(req)
         req.finish_reason = reason
         req.to_finish = None
-        req.status = ReqStatus.FINISHED
         req.grammar = None  # release the matcher (a launched batch keeps its own reference)
         req.finished_time = time.perf_counter()
         if req.inflight > 0:
-            self.pending_release[id(req)] = req  # a launched batch may still write its KV
-        else:
+            self.requests.put(req, Place.RELEASING)  # a launched batch may still write its KV
+        elif req.req_pool_idx is not None:
             self.cache.release(req, insert=insert)
         if req.abort_sent_time is not None and reason.type == "abort":
-            latency = max(0.0, time.time() - req.abort_sent_time)
-            self.cancel_latencies.append(latency)
-            h = self.cancel_hist
-            h["sum"] += latency
-            h["count"] += 1
-            for i, bound in enumerate(h["buckets"]):
-                if latency <= bound:
-                    h["counts"][i] += 1
-        self.stats["num_finished"] += 1
+            self.cancel_latency.add(max(0.0, time.time() - req.abort_sent_time))
+        self.stats.num_finished += 1
         self._emit(req)
 
     def _maybe_stream(self, req: Req) -> None:
-        if req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
+        if req.stream and len(req.output_ids) - req.sent_len >= self.config.stream_interval:
             self._emit(req)
 
     def _emit(self, req: Req) -> None:
@@ -647,17 +445,3 @@ class Scheduler:
         if self._pending_out:
             out, self._pending_out = self._pending_out, []
             self.send_output(BatchTokenOut(out))
-
-    # ================================================================ info
-    def get_info(self) -> dict:
-        lat = sorted(self.cancel_latencies)
-        cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
-                  "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
-        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist, "paused": self.paused, "overlap": self.overlap,
-                "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
-                "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
-                "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
-                "num_grammar_queue_reqs": len(self.grammar_queue), **self.grammar_queue.stats,
-                "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
-                **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {}),
-                **({"hicache": h} if (h := self.cache.hicache_stats()) is not None else {})}

@@ -17,8 +17,9 @@ IDLE_POLL_MS = 50
 
 def build_scheduler(args: ServerArgs, send_output):
     """Model runner + prefix cache + cache manager + scheduler, wired together."""
-    from radixlm.radix_cache.base import create_prefix_cache
-    from radixlm.scheduler.cache_manager import CacheManager
+    from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+    from radixlm.radix_cache.prefix_cache import DeviceKV
+    from radixlm.scheduler.cache_manager import CacheManager, build_prefix_cache
     from radixlm.scheduler.scheduler import Scheduler
     from radixlm.srt.constrained.xgrammar_backend import create_grammar_backend
     from radixlm.srt.model_runner.runner import ModelRunner
@@ -26,23 +27,15 @@ def build_scheduler(args: ServerArgs, send_output):
 
     runner = ModelRunner(args)
     tokenizer = load_tokenizer(args.tokenizer_path or runner.model_path)
-    sched_runner = runner
-    if args.enable_hierarchical_cache:  # HiCache: host tier under the radix cache (radixlm/hicache)
-        from radixlm.hicache import LoadFencedRunner, build_hiradix_cache
-        kv = runner.kv_pool
-        # Every slot-indexed tensor (K, V and, for an int8 pool, their scales) is mirrored, so
-        # a copy moves a slot's whole KV; a callable, since release/resume swaps the tensors.
-        tree = build_hiradix_cache(args, runner.req_to_token_pool, runner.allocator, kv.slot_buffers)
-        sched_runner = LoadFencedRunner(runner, tree.controller)  # forwards wait for host->device loads
-    else:
-        tree = create_prefix_cache(runner.req_to_token_pool, runner.allocator, page_size=args.page_size,
-                                   eviction_policy=args.radix_eviction_policy,
-                                   disable_radix_cache=args.disable_radix_cache)
-    cache = CacheManager(tree, runner.req_to_token_pool, runner.allocator, args.page_size)
     sizes = runner.sizes
-    scheduler = Scheduler(args, sched_runner, cache, max_running_requests=sizes.max_running_requests,
-                          chunked_prefill_size=sizes.chunked_prefill_size, tokenizer=tokenizer,
-                          send_output=send_output,
+    # HiCache mirrors every slot-indexed tensor (K, V and, for an int8 pool, their scales), so a
+    # copy moves a slot's whole KV; a callable, since memory release/resume swaps the tensors.
+    prefix = build_prefix_cache(args.prefix_cache_config(), DeviceKV(sizes.max_total_tokens, runner.kv_pool.slot_buffers))
+    cache = CacheManager(prefix, ReqToTokenPool.over(runner.req_to_token),
+                         TokenToKVPoolAllocator(sizes.max_total_tokens))
+    config = args.scheduler_config(max_running_requests=sizes.max_running_requests,
+                                   chunked_prefill_size=sizes.chunked_prefill_size, device=runner.device)
+    scheduler = Scheduler(config, runner, cache, tokenizer=tokenizer, send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids))
     return scheduler, runner
 

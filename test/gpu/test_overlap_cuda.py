@@ -17,7 +17,7 @@ import torch
 
 from radixlm.config import ServerArgs
 from test.engine_checks import random_prompt
-from test.overlap_batches import decode_batch, make_req, prefill_batch
+from test.overlap_batches import decode_batch, free_reqs, make_req, prefill_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,7 @@ def runner(tiny_llama_dir):
 
 
 def _free(runner, reqs, n_extra: int) -> None:
-    for r in reqs:
-        row = runner.req_to_token_pool.req_to_token[r.req_pool_idx, :len(r.origin_input_ids) + n_extra]
-        runner.allocator.free(row.clone())
-        runner.req_to_token_pool.free(r.req_pool_idx)
+    free_reqs(runner, reqs, n_extra)
 
 
 def _reqs(runner):

@@ -169,7 +169,7 @@ def test_hicache_backup_and_load_back_restore_int8_values_and_scales(tiny_llama_
                                   enable_hierarchical_cache=True, debug_check_integrity=True,
                                   disable_overlap_schedule=True)
     sched, runner = build_scheduler(args, collect)
-    tree = sched.cache.tree
+    tree = sched.cache.prefix
     kv = runner.kv_pool
     device, host = kv.slot_buffers(), tree.host_pool.buffers
     assert len(device) == len(host) == 4 * LAYERS  # K, V and their scales, per layer
@@ -193,7 +193,7 @@ def test_hicache_backup_and_load_back_restore_int8_values_and_scales(tiny_llama_
             start = len(path) - len(node.key)
             for j in range(len(node.key)):
                 saved[tuple(path[:start + j + 1])] = _slot_values(device, int(node.value[j]))
-        tree.evict(tree.allocator.capacity)  # everything host-only now
+        sched.cache.evict(sched.cache.capacity)  # everything host-only now
         assert all(n.value is None for n, _ in _paths(tree))
         for b in device:  # poison every device slot: only a load can bring the KV back
             if b.dtype == torch.int8:

@@ -17,7 +17,7 @@ from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 from radixlm.srt.model_runner.launched import LaunchedBatch
 from test.engine_checks import random_prompt
-from test.overlap_batches import DeferredCopyStream, decode_batch, make_req, prefill_batch
+from test.overlap_batches import DeferredCopyStream, decode_batch, free_reqs, make_req, prefill_batch
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +40,7 @@ def _two_steps(runner, params: list[dict], overlap: bool):
             l2 = runner.launch(decode_batch(runner, reqs, tokens=toks))
         return l1, l2
     finally:
-        for r in reqs:
-            runner.allocator.free(runner.req_to_token_pool.req_to_token[r.req_pool_idx,
-                                  :len(r.origin_input_ids) + 1].clone())
-            runner.req_to_token_pool.free(r.req_pool_idx)
+        free_reqs(runner, reqs, 1)
 
 
 PARAMS = [{}, {"return_logprob": True, "top_logprobs_num": 3}, {"temperature": 0.9, "seed": 11}]
@@ -95,9 +92,7 @@ def test_unsampled_rows_are_minus_one_on_the_device(runner):
     launched = runner.launch(batch)
     res = launched.result()
     assert launched.tokens.tolist() == [-1, res.next_token_ids[1]] and res.next_token_ids[0] is None
-    for r in reqs:
-        runner.allocator.free(runner.req_to_token_pool.req_to_token[r.req_pool_idx, :len(r.origin_input_ids)].clone())
-        runner.req_to_token_pool.free(r.req_pool_idx)
+    free_reqs(runner, reqs, 0)
 
 
 def _scheduler_outputs(tiny_llama_dir, overlap: bool, stream=None):
@@ -230,8 +225,8 @@ def test_stop_path_storm_with_deferred_copies(tiny_llama_dir):
 
     want, _, _, _ = run(overlap=False, storm=False)
     got, finished, stats, max_live = run(overlap=True, storm=True)
-    assert set(finished) == set(want) and stats["num_retractions"] > 0 and stats["num_aborted"] > 0
-    assert stats["aborts_in_flight"] > 0 and max_live >= 8
+    assert set(finished) == set(want) and stats.num_retractions > 0 and stats.num_aborted > 0
+    assert stats.aborts_in_flight > 0 and max_live >= 8
     assert sum(f != "abort" for f in finished.values()) >= 8
     for rid, toks in got.items():
         if finished[rid] == "abort":

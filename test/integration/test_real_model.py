@@ -69,22 +69,23 @@ def test_last_position_logits_match_hf(real_engine, hf_real, default_model_path)
     from radixlm.config import ServerArgs
     from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
     from radixlm.srt.model_runner.runner import ModelRunner
+    from test.overlap_batches import pools
 
     runner = ModelRunner(ServerArgs(model_path=default_model_path, dtype="float32", max_total_tokens=1024))
     ids = _chat_ids(real_engine.tokenizer, QUESTIONS[0])
-    slot = runner.req_to_token_pool.alloc()
-    loc = runner.allocator.alloc(len(ids))
+    rows, alloc = pools(runner)
+    slot = rows.alloc()
+    loc = alloc.alloc(len(ids))
     try:
-        runner.req_to_token_pool.req_to_token[slot, :len(ids)] = loc
-        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, loc, [slot], [0], [len(ids)],
-                                runner.req_to_token_pool.req_to_token)
+        rows.req_to_token[slot, :len(ids)] = loc
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, loc, [slot], [0], [len(ids)], rows.req_to_token)
         with torch.inference_mode():
             runner.attn.init_forward_metadata(fb)
             hidden = runner.model.forward(fb, runner.attn)
             ours = runner.model.compute_logits(hidden[-1:]).float()[0]
             ref = hf_real(torch.tensor([ids])).logits[0, -1].float()
     finally:
-        runner.allocator.free(loc)
-        runner.req_to_token_pool.free(slot)
+        alloc.free(loc)
+        rows.free(slot)
     assert (ours - ref).abs().max().item() < 2e-3 * ref.abs().max().item()
     assert ours.argmax().item() == ref.argmax().item()

@@ -1,10 +1,11 @@
-"""Dependencies go one way: core ← radix_cache ← hicache ← scheduler ← srt (architecture.md).
+"""Dependencies go one way: core ← radix_cache ← hicache ← scheduler ← srt, config (architecture.md).
 
 The test parses every module's imports (no import is executed) and fails on a back edge.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import radixlm
@@ -13,7 +14,8 @@ ROOT = Path(radixlm.__file__).parent
 # Lower number = lower layer; a module may import only from its own layer or lower ones.
 # kernels import nothing else from radixlm, so every layer may use them
 LAYERS = {"kernels": 0, "radix_cache": 1, "hicache": 2, "scheduler": 3, "srt": 4}
-TOP_LEVEL_HIGH = {"__main__": 5, "__init__": 5}
+# config describes every layer (its choices come from their registries): it sits with srt
+TOP_LEVEL_HIGH = {"__main__": 5, "__init__": 5, "config": 4}
 
 
 def _layer(module: str) -> int:
@@ -23,7 +25,7 @@ def _layer(module: str) -> int:
     head = parts[1]
     if head in LAYERS:
         return LAYERS[head]
-    return TOP_LEVEL_HIGH.get(head, 0)  # core, config, messages, registry, sampling_params
+    return TOP_LEVEL_HIGH.get(head, 0)  # core, messages, registry, sampling_params, envs
 
 
 def _imports(path: Path) -> list[str]:
@@ -54,3 +56,25 @@ def test_import_radixlm_is_light():
     import sys
     code = "import sys, radixlm; assert 'torch' not in sys.modules, 'import radixlm pulled torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_the_cache_manager_writes_a_requests_kv_fields():
+    """A request's KV state has one writer (semantics §5): no other module that handles requests
+    (imports `Req`) assigns those fields."""
+    from radixlm.core import KV_FIELDS
+
+    owner = ROOT / "scheduler" / "cache_manager.py"
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if path == owner or not re.search(r"^from radixlm\.core import .*\bReq\b", text, re.M):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute) and sub.attr in KV_FIELDS and not \
+                            (isinstance(sub.value, ast.Name) and sub.value.id == "self"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} writes .{sub.attr}")
+    assert not bad, "KV fields written outside the cache manager:\n" + "\n".join(bad)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.config import ModelConfig, ServerArgs
-from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
 from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders, snapshot_values_needed
 from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
@@ -119,14 +118,14 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
                                         cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
                                         kv_cache_dtype=args.kv_cache_dtype)
-        self.req_to_token_pool = ReqToTokenPool(self.sizes.req_pool_size, self.max_context_len, "cpu")
-        self.allocator = TokenToKVPoolAllocator(self.sizes.max_total_tokens)
+        # Row r: the KV slots of the request in request slot r. The forwards read it; which rows
+        # and slots are whose is the cache manager's (ReqToTokenPool.over(this), its allocator).
+        self.req_to_token = torch.zeros((self.sizes.req_pool_size, self.max_context_len), dtype=torch.int64)
         self.attention_backend_name = backend
         self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
                                              cfg.num_key_value_heads, cfg.head_dim)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
         self.stream = ForwardStream(self.device)
-        self._req_to_token_dev = self.req_to_token_pool.req_to_token
         logger.info("model %s on %s (%s): KV capacity %d tokens (kv_cache_dtype %s), attention %s",
                     self.model_path, self.device, self.dtype, self.sizes.max_total_tokens, args.kv_cache_dtype,
                     backend)
@@ -197,7 +196,7 @@ class ModelRunner:
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         fb = ForwardBatch.build(mode, batch.input_ids, batch.out_cache_loc,
                                 [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
-                                self._req_to_token_dev, self.device)
+                                self.req_to_token, self.device)
         if batch.placeholder_source is not None:
             assert prev is not None and id(prev.batch) == batch.placeholder_source, \
                 "placeholders name a batch that did not run last"

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.config import ServerArgs
-from radixlm.hicache import HiRadixCache, LoadFencedRunner, build_hiradix_cache
+from radixlm.hicache import HiRadixCache, build_hiradix_cache
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from radixlm.radix_cache.prefix_cache import DeviceKV, PrefixCacheConfig
 from radixlm.radix_cache.radix_cache import RadixCache
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.scheduler import Scheduler
@@ -105,18 +106,18 @@ def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | Non
     pool = ReqToTokenPool(max_running + 2, context)
     runner = FakeRunner(capacity, pool, vocab, context)
     alloc = PoisoningAllocator(capacity, runner.kv)
-    sched_runner = runner
     tree: HiRadixCache | None = None
     if hicache:
-        tree = build_hiradix_cache(server_args, pool, alloc, [runner.kv], copy_hook=copy_hook, min_free_bytes=0)
-        sched_runner = LoadFencedRunner(runner, tree.controller)
-        prefix_cache = tree
+        config = PrefixCacheConfig("hiradix", page_size, hicache_ratio=hicache_ratio, hicache_write_policy=write_policy)
+        tree = build_hiradix_cache(config, DeviceKV(capacity, [runner.kv], copy_hook=copy_hook, min_free_bytes=0))
+        prefix_cache: RadixCache = tree
     else:
-        prefix_cache = RadixCache(pool, alloc, page_size)
-    cache = CacheManager(prefix_cache, pool, alloc, page_size)
+        prefix_cache = RadixCache(page_size)
+    cache = CacheManager(prefix_cache, pool, alloc)
     h = HiHarness(None, runner, cache, tree=tree)  # type: ignore[arg-type]
-    h.scheduler = Scheduler(server_args, sched_runner, cache, max_running_requests=max_running,
-                            chunked_prefill_size=chunk, send_output=h.on_output)
+    config = server_args.scheduler_config(max_running_requests=max_running, chunked_prefill_size=chunk,
+                                          device="cpu")
+    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output)
     return h
 
 

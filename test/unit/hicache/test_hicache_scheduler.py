@@ -70,7 +70,7 @@ def test_retraction_under_hicache(schedule_mode):
     prompts = [_prompt(12, i) for i in range(5)]
     rids = [h.submit(p, max_new_tokens=60) for p in prompts]
     h.run()
-    assert h.scheduler.stats["num_retractions"] > 0
+    assert h.scheduler.stats.num_retractions > 0
     for p, rid in zip(prompts, rids):
         assert h.tokens(rid) == reference_output(p, 60)
         assert h.final(rid).finish_reason["type"] == "length"
@@ -86,16 +86,16 @@ def test_abort_during_a_write_keeps_the_node_and_its_kv_reaches_the_host(schedul
     for _ in range(12):
         h.step()
     tree = h.tree
-    assert tree._ongoing_writes, "the prompt's write-through should be in flight"
+    assert tree.tier.ongoing_writes, "the prompt's write-through should be in flight"
     h.scheduler.abort(AbortReq(rid=rid))
     h.check()
     while not any(o.finish_reason for o in h.outputs.get(rid, [])):
         h.step()  # (overlap: the abort lands when the launched step is processed)
-    assert tree._ongoing_writes
+    assert tree.tier.ongoing_writes
     done = len(h.tokens(rid))
     assert h.final(rid).finish_reason["type"] == "abort" and 0 < done < 50
     # The aborted request's computed KV is in the tree, pinned while its copy is in flight.
-    m = tree.match_prefix(tree.root.key.__class__(prompt))
+    m = tree.match(tree.root.key.__class__(prompt))
     assert m.device_indices.numel() == 40 and m.last_node.lock_ref > 0
     # A request needing the whole pool forces eviction: it must wait for the copy, not free it.
     big = _prompt(120, 2)
@@ -121,13 +121,13 @@ def test_load_back_racing_an_abort(schedule_mode):
     prompt = _prompt(60, 4)
     first = h.submit(prompt, max_new_tokens=2)
     h.run()
-    h.tree.evict(h.cache.capacity)  # everything host-only now
+    h.cache.evict(h.cache.capacity)  # everything host-only now
     h.check()
-    assert h.tree.match_prefix(h.tree.root.key.__class__(prompt)).host_hit_length >= 60
+    assert h.tree.match(h.tree.root.key.__class__(prompt)).host_hit_length >= 60
     rid = h.submit(prompt + [5, 6, 7], max_new_tokens=20)
     h.step()  # admission: load back started, the forward waits for it
-    assert h.tree._ongoing_loads, "the load should be in flight"
-    node = next(iter(h.tree._ongoing_loads.values()))
+    assert h.tree.tier.ongoing_loads, "the load should be in flight"
+    node = next(iter(h.tree.tier.ongoing_loads.values()))
     h.scheduler.abort(AbortReq(rid=rid))
     h.check()
     assert node.value is not None and node.lock_ref > 0  # still pinned by the load, not freed

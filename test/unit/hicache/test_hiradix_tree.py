@@ -9,7 +9,8 @@ import torch
 
 from radixlm.hicache import CacheController, HiRadixCache, HostKVPool
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from radixlm.radix_cache.radix_cache import RadixKey
+from radixlm.radix_cache.prefix_cache import RadixKey
+from radixlm.scheduler.cache_manager import CacheManager
 
 
 class Tree:
@@ -19,14 +20,22 @@ class Tree:
         self.alloc = TokenToKVPoolAllocator(capacity)
         self.host = HostKVPool([self.kv], host_capacity, min_free_bytes=0)
         self.ctrl = CacheController([self.kv], self.host, copy_hook=hook)
-        self.tree = HiRadixCache(ReqToTokenPool(4, 256), self.alloc, host_pool=self.host, controller=self.ctrl,
-                                 write_policy=policy, load_back_threshold=threshold)
+        self.tree = HiRadixCache(host_pool=self.host, controller=self.ctrl, write_policy=policy,
+                                 load_back_threshold=threshold)
+        # the owner of the device slots: frees what the tree evicts, hands out load-back slots
+        self.cache = CacheManager(self.tree, ReqToTokenPool(4, 256), self.alloc)
+
+    def evict(self, n: int) -> int:
+        return self.cache.evict(n)
+
+    def load_back(self, node, mem_quota=None):
+        return self.tree.tier.load_back(node, self.cache.alloc_tokens, mem_quota)
 
     def put(self, tokens: list[int], check: bool = True) -> None:
         """What a finished request does: compute KV, insert, free the duplicate part."""
         slots = self.alloc.alloc(len(tokens))
         if slots is None:
-            self.tree.evict(len(tokens) - self.alloc.available_size())
+            self.evict(len(tokens) - self.alloc.available_size())
             slots = self.alloc.alloc(len(tokens))
         assert slots is not None
         self.kv[slots] = torch.tensor(tokens)
@@ -36,10 +45,10 @@ class Tree:
             self.check()
 
     def node(self, tokens: list[int]):
-        return self.tree.match_prefix(RadixKey(tokens))
+        return self.tree.match(RadixKey(tokens))
 
     def check(self) -> None:
-        self.tree.check_integrity([])
+        self.cache.check_integrity([])
         for n in self.tree.iter_nodes():
             if n is self.tree.root:
                 continue
@@ -73,13 +82,13 @@ def test_write_through_locks_node_until_ack_then_evicts_to_host():
     gate.set()
     t.settle()
     assert node.lock_ref == 0 and not t.tree.host_pending(node)
-    assert t.tree.evict(20) == 20
+    assert t.evict(20) == 20
     t.check()
     assert node.value is None and node.host_value is not None  # host only, still in the tree
     m = t.node(A)
     assert m.device_indices.numel() == 0 and m.host_hit_length == 20 and m.last_host_node is node
     t.kv.fill_(-1)  # the device copy is gone for good
-    slots = t.tree.load_back(m.last_host_node)
+    slots = t.load_back(m.last_host_node)
     assert slots is not None and node.lock_ref == 1  # locked until the load ack
     t.check()
     t.settle()
@@ -95,7 +104,7 @@ def test_write_through_selective_waits_for_a_second_use():
     assert t.node(A).last_node.host_value is not None
     t.settle()
     t.put(B)
-    t.tree.evict(64)  # B was never backed up: deleted; A stays host-only
+    t.evict(64)  # B was never backed up: deleted; A stays host-only
     t.check()
     assert t.node(B).host_hit_length == 0 and t.node(A).host_hit_length == 20
 
@@ -105,7 +114,7 @@ def test_write_back_copies_at_eviction_and_waits():
     t.put(A)
     node = t.node(A).last_node
     assert node.host_value is None and node.lock_ref == 0  # nothing written on insert
-    assert t.tree.evict(20) == 20
+    assert t.evict(20) == 20
     t.check()  # the host copy is complete before the device slots were freed
     assert node.value is None and t.host.buffers[0][node.host_value].tolist() == A
     assert t.tree.stats["write_back_tokens_total"] == 20
@@ -115,8 +124,8 @@ def test_write_back_parent_of_host_only_child_is_copied_not_orphaned():
     t = Tree(policy="write_back")
     t.put(A + B)
     t.put(A + C)  # A is now a parent of two children
-    t.tree.evict(20)  # one child (LRU: B) goes to the host
-    t.tree.evict(40)  # then C and A; A must be copied or its host-only child would be orphaned
+    t.evict(20)  # one child (LRU: B) goes to the host
+    t.evict(40)  # then C and A; A must be copied or its host-only child would be orphaned
     t.check()
     m = t.node(A + B)
     assert m.host_hit_length == 40
@@ -126,7 +135,7 @@ def test_insert_revives_host_only_nodes_with_the_callers_slots():
     t = Tree()
     t.put(A)
     t.settle()
-    t.tree.evict(20)
+    t.evict(20)
     t.put(A + B)  # a request recomputed A: the tree takes its slots for A (not freed twice)
     t.settle()
     m = t.node(A + B)
@@ -137,7 +146,7 @@ def test_pretty_print_shows_the_tier_of_each_node(capsys):
     t = Tree()
     t.put(A)
     t.settle()
-    t.tree.evict(20)  # A only on the host now
+    t.evict(20)  # A only on the host now
     t.put(C)
     text = t.tree.pretty_print()
     assert text.startswith("HiRadixCache(policy=write_through")
@@ -151,17 +160,17 @@ def test_load_back_threshold_quota_and_all_or_nothing():
     t.put(short)
     t.put(A)
     t.settle()
-    t.tree.evict(64)
-    assert t.tree.load_back(t.node(short).last_host_node) is None  # under 10 tokens
+    t.evict(64)
+    assert t.load_back(t.node(short).last_host_node) is None  # under 10 tokens
     assert t.tree.stats["load_back_skipped"] == 1
-    assert t.tree.load_back(t.node(A).last_host_node, mem_quota=19) is None  # over the quota
+    assert t.load_back(t.node(A).last_host_node, mem_quota=19) is None  # over the quota
     # no device room at all: every slot held by "requests" -> nothing is loaded, nothing changes
     held = t.alloc.alloc(t.alloc.available_size())
-    assert t.tree.load_back(t.node(A).last_host_node) is None
+    assert t.load_back(t.node(A).last_host_node) is None
     assert t.tree.stats["load_back_failures"] == 1
     t.alloc.free(held)
     t.check()  # and nothing half-loaded was left behind
-    assert t.tree.load_back(t.node(A).last_host_node) is not None
+    assert t.load_back(t.node(A).last_host_node) is not None
     t.settle()
 
 
@@ -169,12 +178,12 @@ def test_load_back_evicts_device_to_make_room():
     t = Tree(capacity=40)
     t.put(A)
     t.settle()
-    t.tree.evict(20)
+    t.evict(20)
     t.put(B)
     t.put(C)  # the device is full of B and C
     t.settle()
     assert t.alloc.available_size() == 0
-    slots = t.tree.load_back(t.node(A).last_host_node)
+    slots = t.load_back(t.node(A).last_host_node)
     assert slots is not None and t.tree.stats["loaded_back_tokens_total"] == 20
     t.settle()
     assert t.node(B).host_hit_length == 20  # B (LRU) went to the host to make room
@@ -184,10 +193,10 @@ def test_load_back_of_a_deep_path_and_partial_match_split():
     t = Tree(capacity=64)
     t.put(A + B)
     t.settle()
-    t.tree.evict(64)
+    t.evict(64)
     m = t.node(A + B[:5])  # ends inside the host-only node: it is split
     assert m.host_hit_length == 25
-    slots = t.tree.load_back(m.last_host_node)
+    slots = t.load_back(m.last_host_node)
     assert slots is not None and slots.numel() == 25
     t.settle()
     assert t.kv[slots].tolist() == A + B[:5]
@@ -212,7 +221,7 @@ def test_host_exhaustion_evicts_host_only_then_drops_mirrors():
     t = Tree(capacity=64, host_capacity=30)
     t.put(A)
     t.settle()
-    t.tree.evict(20)  # A: host only
+    t.evict(20)  # A: host only
     t.put(B)  # needs 20 host slots, 10 free: A (host only, unreferenced) is dropped
     t.settle()
     assert t.node(A).host_hit_length == 0 and t.tree.stats["host_evicted_tokens_total"] == 20
@@ -221,10 +230,10 @@ def test_host_exhaustion_evicts_host_only_then_drops_mirrors():
     assert t.tree.stats["mirror_dropped_tokens_total"] == 20
     assert t.node(C).last_node.host_value is not None and t.node(B).last_node.host_value is None
     # everything on the host pinned by a lock: the backup fails, nothing breaks
-    t.tree.inc_lock_ref(t.node(C).last_node)  # (a holder the integrity check cannot see)
+    t.tree.lock(t.node(C).last_node)  # (a holder the integrity check cannot see)
     t.put(D, check=False)
     assert t.tree.stats["backup_failures"] == 1 and t.node(D).last_node.host_value is None
-    t.tree.dec_lock_ref(t.node(C).last_node)
+    t.tree.unlock(t.node(C).last_node)
     t.settle()
 
 
@@ -267,7 +276,7 @@ def test_integrity_catches_a_leaked_host_slot_and_a_lost_host_copy():
         t.check()
     t.host.free(leaked)
     t.check()
-    t.tree.evict(20)
+    t.evict(20)
     node = t.node(A).last_host_node
     saved, node.host_value = node.host_value, None
     with pytest.raises(AssertionError, match="without a host copy"):
@@ -323,27 +332,27 @@ def test_random_operations_keep_both_pools_consistent(policy):
         elif op < 0.55:
             m = t.node(seq)
             if m.host_hit_length:
-                t.tree.load_back(m.last_host_node)
+                t.load_back(m.last_host_node)
         elif op < 0.65:
             m = t.node(seq)  # a "request" pins what it matched for a while
             if m.last_node is not t.tree.root and len(locked) < 3:
-                t.tree.inc_lock_ref(m.last_node)
+                t.tree.lock(m.last_node)
                 locked.append(m.last_node)
         elif op < 0.75 and locked:
-            t.tree.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+            t.tree.unlock(locked.pop(rng.randrange(len(locked))))
         elif op < 0.85:
-            t.tree.evict(rng.randrange(1, 40))
+            t.evict(rng.randrange(1, 40))
         elif op < 0.9:
             t.tree.evict_host(rng.randrange(1, 40))
         else:
             t.tree.check_events()
         # (requests' locks are not visible to check_integrity: check with them dropped)
         for n in locked:
-            t.tree.dec_lock_ref(n)
+            t.tree.unlock(n)
         t.check()
         for n in locked:
-            t.tree.inc_lock_ref(n)
+            t.tree.lock(n)
     for n in locked:
-        t.tree.dec_lock_ref(n)
+        t.tree.unlock(n)
     t.settle()
     assert t.tree.protected_size() == 0

@@ -4,37 +4,39 @@ from __future__ import annotations
 import pytest
 
 from radixlm.radix_cache.eviction import EVICTION_POLICIES, EvictionPolicy
-from radixlm.radix_cache.radix_cache import RadixCache, RadixKey
+from radixlm.radix_cache.prefix_cache import RadixKey
+from radixlm.radix_cache.radix_cache import RadixCache
+from radixlm.scheduler.cache_manager import CacheManager
 from test.unit.radix_cache.radix_cache_helpers import build_cache
 
 SEQS = {"A": [1, 1], "B": [2, 2], "C": [3, 3]}
 
 
-def setup(policy: str, priorities: dict[str, int] | None = None) -> RadixCache:
+def setup(policy: str, priorities: dict[str, int] | None = None) -> CacheManager:
     c = build_cache(policy=policy)
-    assert isinstance(c, RadixCache)
+    assert isinstance(c.prefix, RadixCache)
     for name, toks in SEQS.items():  # created in order A, B, C
         v = c.allocator.alloc(len(toks))
-        c.insert(RadixKey(toks), v, priority=(priorities or {}).get(name, 0))
+        c.prefix.insert(RadixKey(toks), v, priority=(priorities or {}).get(name, 0))
     return c
 
 
-def eviction_order(c: RadixCache) -> list[str]:
+def eviction_order(c: CacheManager) -> list[str]:
     """Evict one leaf at a time and see which one left, without touching access times."""
     order = []
-    while c.total_size():
-        present = {tuple(n.key.token_ids) for n in c.root.children.values()}
+    while c.prefix.total_size():
+        present = {tuple(n.key.token_ids) for n in c.prefix.root.children.values()}
         c.evict(1)
-        after = {tuple(n.key.token_ids) for n in c.root.children.values()}
+        after = {tuple(n.key.token_ids) for n in c.prefix.root.children.values()}
         (gone,) = present - after
         order.append(next(k for k, t in SEQS.items() if tuple(t) == gone))
         c.check_integrity([])
     return order
 
 
-def touch(c: RadixCache, *names: str) -> None:
+def touch(c: CacheManager, *names: str) -> None:
     for n in names:
-        c.match_prefix(RadixKey(SEQS[n]))
+        c.prefix.match(RadixKey(SEQS[n]))
 
 
 def test_registry_names_and_unknown() -> None:
@@ -90,6 +92,6 @@ def test_slru_probation_first() -> None:
 def test_inserting_reuses_touch_for_lru() -> None:
     c = setup("lru")
     v = c.allocator.alloc(2)
-    assert c.insert(RadixKey(SEQS["A"]), v) == 2  # re-insert counts as an access
+    assert c.prefix.insert(RadixKey(SEQS["A"]), v) == 2  # re-insert counts as an access
     c.allocator.free(v)
     assert eviction_order(c) == ["B", "C", "A"]

@@ -1,5 +1,5 @@
-"""Property test: the radix cache, the real pools and real Req objects driven through random
-admissions, chunked prefill, decode, over-allocation, finish, abort, retract and eviction.
+"""Property test: the cache manager over the radix cache, the real pools and real Req objects
+driven through random admissions, chunked prefill, decode, over-allocation, finish, abort, retract and eviction.
 
 Each computed token writes a fake KV value `kv[slot] = (extra_key, prefix up to the token)`.
 Whatever the tree hands out on a match must carry exactly those values for the matched tokens,
@@ -14,7 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixlm.core import Req
 from radixlm.radix_cache.eviction import EVICTION_POLICIES
-from radixlm.radix_cache.radix_cache import RadixKey
+from radixlm.radix_cache.prefix_cache import RadixKey
+from radixlm.scheduler.cache_manager import PrefixMatch
 from test.unit.radix_cache.radix_cache_helpers import build_cache, make_req
 
 BASES = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]]
@@ -62,24 +63,18 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for p, slot in enumerate(indices):
             assert self.kv.get(slot) == (ek, tuple(tokens[:p + 1])), f"slot {slot} holds wrong KV"
 
-    def alloc(self, n: int):
-        a = self.cache.allocator
-        if a.available_size() < n:
-            self.cache.evict(n - a.available_size())
-        return a.alloc(n)
-
     def pick(self, i: int, pool: list[Req]) -> Req:
         return pool[i % len(pool)]
 
     def release(self, req: Req, insert: bool) -> None:
         committed = req.kv_committed_len
-        self.cache.cache_finished_req(req, insert=insert)
+        self.cache.release(req, insert=insert)
         self.live.remove(req)
         if insert:
             self.record_insert(req, committed)
             if not self.DISABLED:  # nothing evicted since: the whole aligned part must match
                 key = req.fill_ids[:self.aligned(committed)]
-                m = self.cache.match_prefix(RadixKey(key, req.extra_key))
+                m = self.cache.prefix.match(RadixKey(key, req.extra_key))
                 assert len(m.device_indices) == len(key)
                 self.check_match(key, req.extra_key, m.device_indices.tolist())
 
@@ -93,15 +88,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def _admit(self, req: Req) -> None:
         # Match all but the last token: at least one token is computed to produce logits.
         fill = req.fill_ids
-        m = self.cache.match_prefix(RadixKey(fill[:len(fill) - 1], req.extra_key))
+        m = self.cache.prefix.match(RadixKey(fill[:len(fill) - 1], req.extra_key))
         self.check_match(fill, req.extra_key, m.device_indices.tolist())
-        idx = self.cache.req_to_token_pool.alloc()
-        assert idx is not None
-        self.cache.inc_lock_ref(m.last_node)
-        n = len(m.device_indices)
-        self.cache.req_to_token_pool.req_to_token[idx, :n] = m.device_indices
-        req.req_pool_idx, req.last_node = idx, m.last_node
-        req.cache_protected_len = req.kv_committed_len = req.kv_allocated_len = n
+        assert self.cache.admit(req, PrefixMatch(m.device_indices, m.last_node))
         self.live.append(req)
 
     @precondition(lambda self: len(self.live) < self.REQ_SLOTS)
@@ -151,23 +140,21 @@ class RadixCacheMachine(RuleBasedStateMachine):
             return
         need = req.kv_committed_len + k - req.kv_allocated_len
         if need > 0:
-            slots = self.alloc(need)
+            slots = self.cache.extend(req, need)
             if slots is None:  # out of KV: retract this request (insert what it computed)
                 self.release(req, insert=True)
-                req.reset_for_retract()
+                req.num_retractions += 1
                 self.waiting.append(req)
                 return
-            self.cache.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_allocated_len:][:need] = slots
-            req.kv_allocated_len += need
         row = self.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
         for p in range(req.kv_committed_len, req.kv_committed_len + k):
             self.kv[int(row[p])] = (req.extra_key, tuple(fill[:p + 1]))
-        req.kv_committed_len += k
+        self.cache.commit(req, k)
         if req.kv_committed_len == len(fill) and len(fill) < self.MAX_CTX:
             req.output_ids.append(tok)
         if cache_it:
             committed = req.kv_committed_len
-            self.cache.cache_unfinished_req(req)
+            self.cache.cache_prefill(req)
             self.record_insert(req, committed)
             assert req.cache_protected_len == (0 if self.DISABLED else self.aligned(committed))
 
@@ -178,11 +165,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         req = self.pick(i, self.live)
         if req.kv_allocated_len >= self.MAX_CTX:
             return
-        slots = self.alloc(1)
+        slots = self.cache.extend(req, 1)
         if slots is None:
             return
-        self.cache.req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_allocated_len] = slots[0]
-        req.kv_allocated_len += 1
         self.kv[int(slots[0])] = None
 
     @precondition(lambda self: self.live)
@@ -194,7 +179,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         if twice:
             free0 = self.cache.allocator.available_size()
             try:
-                self.cache.cache_finished_req(req, insert=insert)
+                self.cache.release(req, insert=insert)
             except RuntimeError:
                 pass
             else:
@@ -206,27 +191,27 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def retract(self, i: int, n: int) -> None:
         req = self.pick(i, self.live)
         self.release(req, insert=True)
-        req.reset_for_retract()
+        req.num_retractions += 1
         self.waiting.append(req)
         self.cache.evict(n)
 
     @rule(n=st.integers(0, 50))
     def evict(self, n: int) -> None:
-        before = self.cache.evictable_size()
+        before = self.cache.prefix.evictable_size()
         got = self.cache.evict(n)
         assert got >= min(n, before), f"evicted {got} of {n} with {before} evictable"
-        assert self.cache.evictable_size() == before - got
+        assert self.cache.prefix.evictable_size() == before - got
 
     @rule(query=token_seqs(min_size=0), ek=st.sampled_from([None, "a", "b"]), lock=st.booleans())
     def match(self, query: list[int], ek: str | None, lock: bool) -> None:
-        m = self.cache.match_prefix(RadixKey(query, ek))
+        m = self.cache.prefix.match(RadixKey(query, ek))
         self.check_match(query, ek, m.device_indices.tolist())
         if lock:
-            prot = self.cache.protected_size()
-            self.cache.inc_lock_ref(m.last_node)
-            assert self.cache.protected_size() >= prot
-            self.cache.dec_lock_ref(m.last_node)
-            assert self.cache.protected_size() == prot
+            prot = self.cache.prefix.protected_size()
+            self.cache.prefix.lock(m.last_node)
+            assert self.cache.prefix.protected_size() >= prot
+            self.cache.prefix.unlock(m.last_node)
+            assert self.cache.prefix.protected_size() == prot
 
     # ------------------------------------------------------------ invariants
     @invariant()
@@ -247,7 +232,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for req in list(self.live):  # drain: everything must come back
             self.release(req, insert=False)
         self.cache.evict(10**9)
-        assert self.cache.total_size() == 0
+        assert self.cache.prefix.total_size() == 0
         assert self.cache.allocator.available_size() == self.cache.allocator.capacity
         self.cache.check_integrity([])
 

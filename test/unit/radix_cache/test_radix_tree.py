@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from radixlm.radix_cache.radix_cache import RadixCache, RadixKey
+from radixlm.radix_cache.prefix_cache import RadixKey
+from radixlm.scheduler.cache_manager import CacheManager
 from test.unit.radix_cache.radix_cache_helpers import build_cache
 
 
@@ -14,41 +15,41 @@ def K(*toks: int, ek: str | None = None) -> RadixKey:
     return RadixKey(list(toks), ek)
 
 
-def put(c: RadixCache, key: RadixKey, priority: int = 0) -> tuple[int, torch.Tensor]:
+def put(c: CacheManager, key: RadixKey, priority: int = 0) -> tuple[int, torch.Tensor]:
     """Insert with fresh slots and free the duplicates, as callers must."""
     v = c.allocator.alloc(len(key))
     assert v is not None
-    n = c.insert(key, v, priority=priority)
+    n = c.prefix.insert(key, v, priority=priority)
     c.allocator.free(v[:n])
     return n, v
 
 
-def nodes(c: RadixCache) -> int:
-    return sum(1 for _ in c.iter_nodes()) - 1
+def nodes(c: CacheManager) -> int:
+    return sum(1 for _ in c.prefix.iter_nodes()) - 1
 
 
 def test_empty_key_and_empty_tree() -> None:
     c = build_cache()
-    m = c.match_prefix(K())
-    assert m.last_node is c.root and m.device_indices.numel() == 0
+    m = c.prefix.match(K())
+    assert m.last_node is c.prefix.root and m.device_indices.numel() == 0
     assert m.device_indices.dtype == torch.int64
-    m = c.match_prefix(K(1, 2, 3))
-    assert m.last_node is c.root and m.device_indices.numel() == 0
-    assert c.insert(K(), torch.empty(0, dtype=torch.int64)) == 0
+    m = c.prefix.match(K(1, 2, 3))
+    assert m.last_node is c.prefix.root and m.device_indices.numel() == 0
+    assert c.prefix.insert(K(), torch.empty(0, dtype=torch.int64)) == 0
     c.check_integrity([])
 
 
 def test_insert_returns_already_present_length() -> None:
     c = build_cache()
     n, v = put(c, K(1, 2, 3, 4))
-    assert n == 0 and c.evictable_size() == 4 and c.total_size() == 4
+    assert n == 0 and c.prefix.evictable_size() == 4 and c.prefix.total_size() == 4
     n, _ = put(c, K(1, 2, 3, 4))
-    assert n == 4 and c.evictable_size() == 4
+    assert n == 4 and c.prefix.evictable_size() == 4
     n, _ = put(c, K(1, 2, 3, 4, 5, 6))
-    assert n == 4 and c.evictable_size() == 6
+    assert n == 4 and c.prefix.evictable_size() == 6
     n, _ = put(c, K(1, 2, 9))
-    assert n == 2 and c.evictable_size() == 7
-    m = c.match_prefix(K(1, 2, 3, 4, 5, 6, 7))
+    assert n == 2 and c.prefix.evictable_size() == 7
+    m = c.prefix.match(K(1, 2, 3, 4, 5, 6, 7))
     assert m.device_indices.tolist()[:4] == v.tolist()
     assert len(m.device_indices) == 6
     c.check_integrity([])
@@ -58,29 +59,29 @@ def test_match_splits_inside_node() -> None:
     c = build_cache()
     _, v = put(c, K(1, 2, 3, 4, 5))
     assert nodes(c) == 1
-    m = c.match_prefix(K(1, 2, 3, 7))
+    m = c.prefix.match(K(1, 2, 3, 7))
     assert m.device_indices.tolist() == v[:3].tolist()
     assert nodes(c) == 2 and m.last_node.key.token_ids == [1, 2, 3]
     assert list(m.last_node.children.values())[0].key.token_ids == [4, 5]
     # Matching a key shorter than the node also splits so the boundary is exact.
-    m = c.match_prefix(K(1))
+    m = c.prefix.match(K(1))
     assert m.last_node.key.token_ids == [1] and nodes(c) == 3
-    assert c.evictable_size() == 5
+    assert c.prefix.evictable_size() == 5
     c.check_integrity([])
 
 
 def test_split_keeps_lock_and_stats() -> None:
     c = build_cache()
     _, v = put(c, K(1, 2, 3, 4))
-    node = c.match_prefix(K(1, 2, 3, 4)).last_node
-    c.inc_lock_ref(node)
-    assert c.protected_size() == 4 and c.evictable_size() == 0
-    m = c.match_prefix(K(1, 2))
+    node = c.prefix.match(K(1, 2, 3, 4)).last_node
+    c.prefix.lock(node)
+    assert c.prefix.protected_size() == 4 and c.prefix.evictable_size() == 0
+    m = c.prefix.match(K(1, 2))
     assert m.last_node.lock_ref == 1 and node.lock_ref == 1
     assert m.last_node.hit_count >= 2
-    assert c.protected_size() == 4
-    c.dec_lock_ref(node)
-    assert c.protected_size() == 0 and c.evictable_size() == 4
+    assert c.prefix.protected_size() == 4
+    c.prefix.unlock(node)
+    assert c.prefix.protected_size() == 0 and c.prefix.evictable_size() == 4
     assert m.last_node.lock_ref == 0
     c.check_integrity([])
 
@@ -89,11 +90,11 @@ def test_match_touches_path() -> None:
     c = build_cache()
     put(c, K(1, 2))
     put(c, K(1, 2, 3))
-    leaf = c.match_prefix(K(1, 2, 3)).last_node
+    leaf = c.prefix.match(K(1, 2, 3)).last_node
     mid = leaf.parent
     t0 = leaf.last_access_time
     h0 = mid.hit_count
-    c.match_prefix(K(1, 2, 3))
+    c.prefix.match(K(1, 2, 3))
     assert leaf.last_access_time > t0 and mid.last_access_time == leaf.last_access_time
     assert mid.hit_count == h0 + 1
 
@@ -102,30 +103,30 @@ def test_extra_key_namespaces_never_share() -> None:
     c = build_cache()
     put(c, K(1, 2, 3))
     n, v = put(c, K(1, 2, 3, ek="lora-a"))
-    assert n == 0 and c.evictable_size() == 6
-    assert c.match_prefix(K(1, 2, 3, ek="lora-a")).device_indices.tolist() == v.tolist()
-    assert c.match_prefix(K(1, 2, 3, ek="lora-b")).device_indices.numel() == 0
-    assert len(c.root.children) == 2
+    assert n == 0 and c.prefix.evictable_size() == 6
+    assert c.prefix.match(K(1, 2, 3, ek="lora-a")).device_indices.tolist() == v.tolist()
+    assert c.prefix.match(K(1, 2, 3, ek="lora-b")).device_indices.numel() == 0
+    assert len(c.prefix.root.children) == 2
     c.check_integrity([])
 
 
 def test_page_size_truncates_and_matches_whole_pages() -> None:
     c = build_cache(page_size=4)
     v = c.allocator.alloc(10)
-    assert c.insert(K(*range(10)), v) == 0
-    assert c.evictable_size() == 8  # the partial page stays out of the tree
+    assert c.prefix.insert(K(*range(10)), v) == 0
+    assert c.prefix.evictable_size() == 8  # the partial page stays out of the tree
     c.allocator.free(v[8:])
-    assert c.match_prefix(K(*range(7))).device_indices.tolist() == v[:4].tolist()
+    assert c.prefix.match(K(*range(7))).device_indices.tolist() == v[:4].tolist()
     # Mismatch inside the second page: only the first page matches; the node is split at 4.
-    m = c.match_prefix(K(0, 1, 2, 3, 4, 5, 99, 7))
+    m = c.prefix.match(K(0, 1, 2, 3, 4, 5, 99, 7))
     assert m.device_indices.tolist() == v[:4].tolist()
     assert m.last_node.key.token_ids == [0, 1, 2, 3]
     # Mismatch in the first page: nothing; sibling pages sharing a first token coexist.
-    assert c.match_prefix(K(0, 1, 2, 99)).device_indices.numel() == 0
+    assert c.prefix.match(K(0, 1, 2, 99)).device_indices.numel() == 0
     w = c.allocator.alloc(4)
-    assert c.insert(K(0, 1, 2, 99), w) == 0
-    assert len(c.root.children) == 2
-    assert c.match_prefix(K(0, 1, 2, 99)).device_indices.tolist() == w.tolist()
+    assert c.prefix.insert(K(0, 1, 2, 99), w) == 0
+    assert len(c.prefix.root.children) == 2
+    assert c.prefix.match(K(0, 1, 2, 99)).device_indices.tolist() == w.tolist()
     c.check_integrity([])
 
 
@@ -135,54 +136,54 @@ def test_radix_key_normalizes_token_containers() -> None:
     for toks in ((1, 2, 3), torch.tensor([1, 2, 3])):
         key = RadixKey(toks)  # type: ignore[arg-type]
         assert key.token_ids == [1, 2, 3]
-        assert len(c.match_prefix(key).device_indices) == 3
+        assert len(c.prefix.match(key).device_indices) == 3
     assert key[1:].token_ids == [2, 3] and len(key) == 3
 
 
 def test_insert_value_too_short_raises() -> None:
     c = build_cache()
     with pytest.raises(ValueError):
-        c.insert(K(1, 2, 3), torch.tensor([1, 2], dtype=torch.int64))
+        c.prefix.insert(K(1, 2, 3), torch.tensor([1, 2], dtype=torch.int64))
 
 
 def test_priority_is_max_along_path() -> None:
     c = build_cache()
     put(c, K(1, 2, 3), priority=1)
     put(c, K(1, 2, 4), priority=5)
-    node = c.match_prefix(K(1, 2)).last_node
+    node = c.prefix.match(K(1, 2)).last_node
     assert node.priority == 5
-    assert c.match_prefix(K(1, 2, 3)).last_node.priority == 1
+    assert c.prefix.match(K(1, 2, 3)).last_node.priority == 1
 
 
 def test_locks_protect_and_unlock() -> None:
     c = build_cache()
     put(c, K(1, 2, 3, 4))
     put(c, K(1, 2, 5))
-    leaf = c.match_prefix(K(1, 2, 3, 4)).last_node
-    assert c.inc_lock_ref(leaf) == 4
-    assert c.protected_size() == 4 and c.evictable_size() == 1
-    assert c.inc_lock_ref(leaf) == 0  # already pinned: nothing moves
+    leaf = c.prefix.match(K(1, 2, 3, 4)).last_node
+    assert c.prefix.lock(leaf) == 4
+    assert c.prefix.protected_size() == 4 and c.prefix.evictable_size() == 1
+    assert c.prefix.lock(leaf) == 0  # already pinned: nothing moves
     assert c.evict(100) == 1  # only the unlocked sibling goes
-    assert c.dec_lock_ref(leaf) == 0
-    assert c.dec_lock_ref(leaf) == 4
-    assert c.evictable_size() == 4 and c.protected_size() == 0
+    assert c.prefix.unlock(leaf) == 0
+    assert c.prefix.unlock(leaf) == 4
+    assert c.prefix.evictable_size() == 4 and c.prefix.protected_size() == 0
     with pytest.raises(RuntimeError, match="below zero"):
-        c.dec_lock_ref(leaf)
-    assert c.inc_lock_ref(None) == 0 and c.dec_lock_ref(None) == 0
-    assert c.inc_lock_ref(c.root) == 0 and c.dec_lock_ref(c.root) == 0
-    assert c.root.lock_ref == 1
+        c.prefix.unlock(leaf)
+    assert c.prefix.lock(None) == 0 and c.prefix.unlock(None) == 0
+    assert c.prefix.lock(c.prefix.root) == 0 and c.prefix.unlock(c.prefix.root) == 0
+    assert c.prefix.root.lock_ref == 1
     c.check_integrity([])
 
 
 def test_lock_on_stale_node_after_reset_raises() -> None:
     c = build_cache()
     put(c, K(1, 2))
-    node = c.match_prefix(K(1, 2)).last_node
-    c.reset()
+    node = c.prefix.match(K(1, 2)).last_node
+    c.prefix.reset()
     c.allocator.clear()
     with pytest.raises(RuntimeError, match="not in this tree"):
-        c.inc_lock_ref(node)
-    assert c.total_size() == 0
+        c.prefix.lock(node)
+    assert c.prefix.total_size() == 0
     c.check_integrity([])
 
 
@@ -194,10 +195,10 @@ def test_evict_cascades_and_frees_to_allocator() -> None:
     free0 = c.allocator.available_size()
     assert c.evict(0) == 0
     assert c.evict(1) == 2  # least recently used leaf [4, 5], whole
-    assert c.match_prefix(K(1, 2, 3, 6)).device_indices.numel() == 4
+    assert c.prefix.match(K(1, 2, 3, 6)).device_indices.numel() == 4
     # [6] goes, then its parent [1, 2, 3] becomes an unlocked leaf and follows.
     assert c.evict(100) == 4
-    assert c.total_size() == 0 and nodes(c) == 0
+    assert c.prefix.total_size() == 0 and nodes(c) == 0
     assert c.allocator.available_size() == free0 + 6
     assert c.evict(10) == 0
     c.check_integrity([])
@@ -214,11 +215,11 @@ def test_evict_stops_at_locked_parent() -> None:
     c = build_cache()
     put(c, K(1, 2))
     put(c, K(1, 2, 3, 4))
-    mid = c.match_prefix(K(1, 2)).last_node
-    c.inc_lock_ref(mid)
+    mid = c.prefix.match(K(1, 2)).last_node
+    c.prefix.lock(mid)
     assert c.evict(100) == 2
-    assert c.match_prefix(K(1, 2, 3, 4)).device_indices.numel() == 2
-    c.dec_lock_ref(mid)
+    assert c.prefix.match(K(1, 2, 3, 4)).device_indices.numel() == 2
+    c.prefix.unlock(mid)
     assert c.evict(100) == 2
     c.check_integrity([])
 
@@ -226,10 +227,10 @@ def test_evict_stops_at_locked_parent() -> None:
 def test_pretty_print_and_reset(capsys: pytest.CaptureFixture[str]) -> None:
     c = build_cache()
     put(c, K(7, 8, 9, ek="ns"))
-    text = c.pretty_print()
+    text = c.prefix.pretty_print()
     assert "7 8 9" in text and "[ns]" in text and "7 8 9" in capsys.readouterr().out
-    c.reset()
-    assert c.total_size() == 0 and not c.root.children
+    c.prefix.reset()
+    assert c.prefix.total_size() == 0 and not c.prefix.root.children
 
 
 def test_scale_many_nodes_is_fast() -> None:
@@ -242,17 +243,17 @@ def test_scale_many_nodes_is_fast() -> None:
         toks = shared + torch.randint(0, 1000, (40,), generator=g).tolist()
         put(c, RadixKey(toks))
     t_insert = time.perf_counter() - t0
-    assert 80_000 <= c.total_size() <= 2000 * 40 + 50 * 10
-    assert sum(1 for _ in c.iter_nodes()) > 2000
+    assert 80_000 <= c.prefix.total_size() <= 2000 * 40 + 50 * 10
+    assert sum(1 for _ in c.prefix.iter_nodes()) > 2000
     t0 = time.perf_counter()
     for i in range(200):
-        c.match_prefix(RadixKey([i % 50] * 10 + [1, 2, 3]))
+        c.prefix.match(RadixKey([i % 50] * 10 + [1, 2, 3]))
     t_match = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(20):
         c.evict(2000)
     evicted_all = c.evict(10**9)
     t_evict = time.perf_counter() - t0
-    assert evicted_all > 0 and c.total_size() == 0
+    assert evicted_all > 0 and c.prefix.total_size() == 0
     assert c.allocator.available_size() == c.allocator.capacity
     assert t_insert < 5 and t_match < 1 and t_evict < 5, (t_insert, t_match, t_evict)

@@ -29,6 +29,25 @@ class FakeRunner:
         self.forward_calls: list[WorkerBatch] = []
         self.tokens_computed = 0
 
+    # ---- the rest of ModelRunnerProtocol: a fake model has no weights and no device memory ----
+    def info(self) -> dict:
+        return {}
+
+    def update_weights_from_tensor(self, named_tensors) -> int:
+        raise NotImplementedError("the fake model has no weights")
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        raise NotImplementedError("the fake model has no weights")
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        raise NotImplementedError("the fake model has no weights")
+
+    def release_memory(self) -> None:
+        self.kv.fill_(EMPTY)  # what a released pool holds afterwards: nothing
+
+    def resume_memory(self) -> None:
+        pass
+
     @staticmethod
     def next_token(seq: list[int], vocab: int) -> int:
         h = 0

@@ -88,11 +88,11 @@ def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None 
                              debug_check_integrity=True, **args)
     pool = ReqToTokenPool(max_running + 2, context)
     alloc = TokenToKVPoolAllocator(capacity)
-    tree = NoPrefixCache(pool, alloc) if disable_cache else RadixCache(pool, alloc, page_size)
-    cache = CacheManager(tree, pool, alloc, page_size)
+    tree = NoPrefixCache(page_size) if disable_cache else RadixCache(page_size)
+    cache = CacheManager(tree, pool, alloc)
     runner = FakeRunner(capacity, pool, vocab, context, eos)
     h = Harness(None, runner, cache)  # type: ignore[arg-type]
-    h.scheduler = Scheduler(server_args, runner, cache, max_running_requests=max_running,
-                            chunked_prefill_size=chunk, send_output=h.on_output,
-                            grammar_backend=grammar_backend)
+    config = server_args.scheduler_config(max_running_requests=max_running, chunked_prefill_size=chunk,
+                                          device="cpu")
+    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output, grammar_backend=grammar_backend)
     return h

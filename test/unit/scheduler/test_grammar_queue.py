@@ -91,7 +91,7 @@ def test_abort_in_the_grammar_queue_cancels_the_compile_and_answers_at_once():
     assert sched.grammar_queue.stats["grammar_compiles_cancelled"] == 1
     assert sched.abort(AbortReq(rid=a)) == 1  # running compile: not interrupted, result cached
     assert h.final(a).finish_reason["type"] == "abort"
-    assert sched.stats["aborts_grammar"] == 2
+    assert sched.stats.aborts_grammar == 2
     backend.gate.set()
     h.run()
     assert backend.started[("regex", k3)] == 0, "the cancelled compile ran"
@@ -220,7 +220,7 @@ def test_storm_of_constrained_and_free_requests_with_aborts():
         else:
             assert toks == ref and fr["type"] == finish, rid
     assert aborted > 5
-    assert h.scheduler.stats["num_retractions"] > 0
+    assert h.scheduler.stats.num_retractions > 0
     h.assert_idle_and_conserved()
 
 

@@ -103,7 +103,7 @@ def test_retraction_under_kv_pressure_keeps_streams_continuous():
     prompts = [_prompt(20, 300 + i) for i in range(6)]
     rids = [h.submit(p, max_new_tokens=40, stream=True) for p in prompts]
     h.run()
-    assert h.scheduler.stats["num_retractions"] > 0
+    assert h.scheduler.stats.num_retractions > 0
     for rid, p in zip(rids, prompts):
         assert h.tokens(rid) == reference_output(p, 40)  # no token twice, none lost
         assert h.final(rid).finish_reason["type"] == "length"

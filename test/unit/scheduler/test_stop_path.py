@@ -8,6 +8,7 @@ import time
 import pytest
 
 from radixlm.messages import AbortReq
+from radixlm.scheduler.requests import Place
 
 from .fake_runner import reference_output
 from .harness import make_harness
@@ -79,7 +80,7 @@ def test_abort_in_launched_batch_drops_the_step_token(schedule_mode):
     rid = h.submit(_prompt(10, 2), max_new_tokens=30, stream=True)
     _drive_to(h, rid, "running")
     sched = h.scheduler
-    batch = sched.get_next_batch()
+    batch = sched.schedule()
     req = batch.reqs[0]
     sched.in_flight_reqs = lambda: {id(req)}  # the batch is launched
     sched.abort(AbortReq(rid=rid))
@@ -123,7 +124,7 @@ def test_overlap_finish_in_flight_defers_release():
     released_early = []
     sched = h.scheduler
     while sched.step():
-        req = sched.pending_release.get(next(iter(sched.pending_release), None))
+        req = sched.requests.first(Place.RELEASING)  # finished, its KV still written by a launched batch
         if req is not None:
             released_early.append(req.req_pool_idx is not None)
     assert released_early and all(released_early)
@@ -242,7 +243,7 @@ def test_storm_of_random_aborts_with_retractions_and_families():
         elif roll < 0.185:
             h.scheduler.abort(AbortReq(abort_all=True))
     h.run()
-    assert h.scheduler.stats["num_retractions"] > 0
+    assert h.scheduler.stats.num_retractions > 0
     aborted = 0
     for rid, ref in expect.items():
         fin = h.final(rid)

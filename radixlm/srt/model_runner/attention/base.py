@@ -9,6 +9,9 @@ from radixlm.registry import Registry
 from radixlm.srt.model_runner.forward_batch import ForwardBatch
 
 ATTENTION_BACKENDS: Registry[type["AttentionBackend"]] = Registry("attention backend")
+# Each backend registers itself in its own module, imported on first use.
+for _name in ("cpu", "torch_native", "triton", "flashinfer"):
+    ATTENTION_BACKENDS.register_lazy(_name, f"radixlm.srt.model_runner.attention.{_name}")
 
 
 class AttentionBackend(ABC):
@@ -35,14 +38,4 @@ class AttentionBackend(ABC):
 
 def create_attention_backend(name: str, kv_pool, num_heads: int, num_kv_heads: int,
                              head_dim: int) -> AttentionBackend:
-    """Import the backend's module on demand (GPU libraries stay unimported elsewhere)."""
-    import importlib
-
-    if name not in ATTENTION_BACKENDS:
-        try:
-            importlib.import_module(f"radixlm.srt.model_runner.attention.{name}")
-        except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(name):
-                raise ValueError(f"unknown attention backend {name!r}") from None
-            raise
     return ATTENTION_BACKENDS.get(name)(kv_pool, num_heads, num_kv_heads, head_dim)

@@ -1,0 +1,24 @@
+"""What the scheduler is configured with (built from ServerArgs by ServerArgs.scheduler_config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SchedulerConfig"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int | None  # None: no chunking
+    max_prefill_tokens: int = 16384
+    page_size: int = 1
+    schedule_policy: str = "fcfs"  # a SCHEDULE_POLICIES name
+    schedule_conservativeness: float = 1.0
+    retraction_policy: str = "length"  # a RETRACTION_POLICIES name
+    random_seed: int = 0
+    max_queued_requests: int | None = None
+    request_waiting_timeout: float | None = None
+    request_running_timeout: float | None = None
+    overlap: bool = False  # launch batch N+1 while processing batch N
+    stream_interval: int = 1
+    debug_check_integrity: bool = False

@@ -1,0 +1,132 @@
+"""Every message the scheduler receives, mapped to its handler (`HANDLERS`), and the control
+RPCs that reach past the scheduling itself: weight updates, memory release, server info.
+
+Messages are applied at the top of an iteration, never in the middle of one. An RPC that needs
+the model or the whole KV pool still first lets the launched batch resolve (`sync`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from radixlm.messages import (AbortReq, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq, GetWeightsByNameReq,
+                              PauseReq, ReleaseMemoryReq, ResumeMemoryReq, TokenizedGenerateReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+
+if TYPE_CHECKING:
+    from radixlm.scheduler.scheduler import Scheduler
+
+__all__ = ["HANDLERS", "dispatch", "server_info"]
+
+M = TypeVar("M")
+Handler = Callable[["Scheduler", Any], object]
+HANDLERS: dict[type, Handler] = {}
+
+
+def _handles(kind: type[M]) -> Callable[[Callable[[Scheduler, M], object]], Callable[[Scheduler, M], object]]:
+    def deco(fn: Callable[[Scheduler, M], object]) -> Callable[[Scheduler, M], object]:
+        HANDLERS[kind] = fn
+        return fn
+    return deco
+
+
+def dispatch(s: Scheduler, msg: object) -> object:
+    handler = HANDLERS.get(type(msg))
+    if handler is None:
+        raise TypeError(f"unknown message {type(msg).__name__}")
+    return handler(s, msg)
+
+
+@_handles(TokenizedGenerateReq)
+def _generate(s: Scheduler, msg: TokenizedGenerateReq) -> None:
+    s.add_request(msg)
+
+
+@_handles(AbortReq)
+def _abort(s: Scheduler, msg: AbortReq) -> int:
+    return s.abort(msg)
+
+
+@_handles(FlushCacheReq)
+def _flush(s: Scheduler, msg: FlushCacheReq) -> bool:
+    return s.flush_cache()
+
+
+@_handles(GetInfoReq)
+def _info(s: Scheduler, msg: GetInfoReq) -> dict[str, Any]:
+    return server_info(s)
+
+
+@_handles(CheckIntegrityReq)
+def _check(s: Scheduler, msg: CheckIntegrityReq) -> bool:
+    s.check_integrity()
+    return True
+
+
+@_handles(PauseReq)
+def _pause(s: Scheduler, msg: PauseReq) -> bool:
+    return s.pause(msg.mode)
+
+
+@_handles(ContinueReq)
+def _continue(s: Scheduler, msg: ContinueReq) -> bool:
+    return s.resume()
+
+
+def _weights_op(s: Scheduler, op: Callable[[], int], flush: bool) -> dict[str, Any]:
+    """Weights change only between forwards: the launched batch resolves first. The cache is
+    namespaced by weight version, so old KV is never served afterwards."""
+    s.sync()
+    n = op()
+    return {"num_tensors": n, "flushed": s.flush_cache() if flush else False}
+
+
+@_handles(UpdateWeightsFromTensorReq)
+def _update_from_tensor(s: Scheduler, msg: UpdateWeightsFromTensorReq) -> dict[str, Any]:
+    return _weights_op(s, lambda: s.runner.update_weights_from_tensor(msg.named_tensors), msg.flush_cache)
+
+
+@_handles(UpdateWeightsFromDiskReq)
+def _update_from_disk(s: Scheduler, msg: UpdateWeightsFromDiskReq) -> dict[str, Any]:
+    return _weights_op(s, lambda: s.runner.update_weights_from_disk(msg.model_path), msg.flush_cache)
+
+
+@_handles(GetWeightsByNameReq)
+def _get_weights(s: Scheduler, msg: GetWeightsByNameReq) -> list[Any]:
+    s.sync()
+    return s.runner.get_weights_by_name(msg.name, msg.truncate_size)
+
+
+def _memory_op(s: Scheduler, release: bool) -> bool:
+    s.sync()
+    if release:
+        if not s.is_idle():
+            raise RuntimeError("cannot release memory while requests are running; pause or abort them first")
+        s.cache.flush()  # the KV pool's contents are about to vanish
+        s.runner.release_memory()
+    else:
+        s.runner.resume_memory()
+    return True
+
+
+@_handles(ReleaseMemoryReq)
+def _release_memory(s: Scheduler, msg: ReleaseMemoryReq) -> bool:
+    return _memory_op(s, release=True)
+
+
+@_handles(ResumeMemoryReq)
+def _resume_memory(s: Scheduler, msg: ResumeMemoryReq) -> bool:
+    return _memory_op(s, release=False)
+
+
+def server_info(s: Scheduler) -> dict[str, Any]:
+    from radixlm.scheduler.requests import Place
+
+    reqs = s.requests
+    tier = s.cache.tier_stats()
+    return {"cancel_latency_s": s.cancel_latency.percentiles(), "cancel_latency_hist": s.cancel_latency.histogram(),
+            "paused": s.paused, "overlap": s.overlap, "forward_idle_fraction": round(s.timer.idle_fraction(), 4),
+            "memory": s.cache.memory_stats(), "num_running_reqs": reqs.count(Place.RUNNING),
+            "num_waiting_reqs": reqs.count(Place.WAITING, Place.CHUNKED),
+            "num_grammar_queue_reqs": len(s.grammar_queue), **s.grammar_queue.stats,
+            "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
+            **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {})}
