@@ -110,7 +110,7 @@ class ServerArgs:
     max_running_requests: int | None = _opt("maximum requests decoding at once", default=None)
     max_prefill_tokens: int = _opt("token budget of one prefill batch", default=16384)
     chunked_prefill_size: int | None = _opt("maximum tokens of one request per prefill chunk "
-                                            "(-1 disables chunking; default 2048 on CPU, 8192 on GPU)",
+                                            "(-1 disables chunking; default 1024 on CPU, 8192 on GPU)",
                                             default=None)
     schedule_policy: str = _opt("order of the waiting queue", default="fcfs")
     schedule_conservativeness: float = _opt("scales the decode-token reservation of running requests",

@@ -47,7 +47,7 @@ class FinishReason:
         return d
 
     @staticmethod
-    def abort(message: str = "Aborted by the client", status_code: int = 200) -> "FinishReason":
+    def abort(message: str = "Aborted by the client", status_code: int = 200) -> FinishReason:
         return FinishReason("abort", message=message, status_code=status_code)
 
 

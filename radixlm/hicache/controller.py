@@ -25,9 +25,9 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -44,7 +44,7 @@ class CopyBatch:
     kind: str  # "write" (device -> host) or "load" (host -> device)
     src: torch.Tensor
     dst: torch.Tensor
-    future: Future | None = None
+    future: Future[None] | None = None
     seconds: float = 0.0  # time the copy itself took on the worker
 
     @property
@@ -66,22 +66,31 @@ class _Ack:
     src: torch.Tensor = field(default_factory=lambda: _EMPTY)
     dst: torch.Tensor = field(default_factory=lambda: _EMPTY)
 
+    def started(self) -> CopyBatch:
+        assert self.batch is not None, f"op {self.op_id} was never started"
+        return self.batch
+
 
 class CacheController:
     def __init__(self, device_buffers: list[torch.Tensor] | Callable[[], list[torch.Tensor]],
                  host_pool: HostKVPool, *, copy_hook: Callable[[str], None] | None = None) -> None:
         # A callable is looked up at every copy: the device pool may swap its tensors (memory
         # release/resume for RL), and a copy must use the live ones.
-        self._device_buffers = device_buffers if callable(device_buffers) else (lambda: device_buffers)
-        device_buffers = self._device_buffers()
-        if len(device_buffers) != len(host_pool.buffers):
+        self._device_buffers: Callable[[], list[torch.Tensor]]
+        if callable(device_buffers):
+            self._device_buffers = device_buffers
+        else:
+            fixed: list[torch.Tensor] = device_buffers
+            self._device_buffers = lambda: fixed
+        live = self._device_buffers()
+        if len(live) != len(host_pool.buffers):
             raise ValueError("host pool does not mirror the device buffers")
-        for d, h in zip(device_buffers, host_pool.buffers):
+        for d, h in zip(live, host_pool.buffers, strict=True):
             if d.shape[1:] != h.shape[1:] or d.dtype != h.dtype:
                 raise ValueError(f"host buffer {tuple(h.shape)} {h.dtype} does not mirror device "
                                  f"buffer {tuple(d.shape)} {d.dtype}")
         self.host_buffers = host_pool.buffers
-        self.device = device_buffers[0].device
+        self.device = live[0].device
         self.cuda = self.device.type == "cuda"
         # Tests use the hook to slow a copy down or hold it (called on the worker thread).
         self.copy_hook = copy_hook
@@ -129,7 +138,7 @@ class CacheController:
         """Start and finish every write; returns all their op ids (in order)."""
         self.start_writing()
         for a in self._write_acks:
-            a.batch.wait()  # type: ignore[union-attr]
+            a.started().wait()
         return self._poll(self._write_acks)
 
     # ------------------------------------------------------------------ loads (host -> device)
@@ -160,7 +169,7 @@ class CacheController:
 
     def wait_loads(self) -> list[int]:
         for a in self._load_acks:
-            a.batch.wait()  # type: ignore[union-attr]
+            a.started().wait()
         return self._poll(self._load_acks)
 
     # ------------------------------------------------------------------ common
@@ -170,10 +179,10 @@ class CacheController:
 
     @staticmethod
     def _poll(acks: deque[_Ack]) -> list[int]:
-        done = []
+        done: list[int] = []
         while acks and acks[0].batch is not None and acks[0].batch.done():
             a = acks.popleft()
-            a.batch.wait()  # type: ignore[union-attr]  # surfaces a failed copy
+            a.started().wait()  # surfaces a failed copy
             done.append(a.op_id)
         return done
 
@@ -207,7 +216,7 @@ class CacheController:
               dst: torch.Tensor) -> None:
         src_i = src.to(src_bufs[0].device, non_blocking=True)
         dst_i = dst.to(dst_bufs[0].device, non_blocking=True)
-        for s, d in zip(src_bufs, dst_bufs):
+        for s, d in zip(src_bufs, dst_bufs, strict=True):
             vals = s.index_select(0, src_i)
             if vals.device != d.device:
                 # Device->host is a blocking copy (the host scatter below reads it at once);

@@ -25,8 +25,16 @@ import torch
 from radixlm.hicache.controller import CacheController
 from radixlm.hicache.host_pool import MIN_FREE_RAM_BYTES, HostKVPool, host_pool_size
 from radixlm.hicache.host_tier import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiTreeNode, HostTier, hi
-from radixlm.radix_cache.prefix_cache import (PREFIX_CACHES, DeviceKV, LockHolder, MatchResult, PrefixCacheConfig,
-                                              RadixKey, SlotAllocator, TreeNode)
+from radixlm.radix_cache.prefix_cache import (
+    PREFIX_CACHES,
+    DeviceKV,
+    LockHolder,
+    MatchResult,
+    PrefixCacheConfig,
+    RadixKey,
+    SlotAllocator,
+    TreeNode,
+)
 from radixlm.radix_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)

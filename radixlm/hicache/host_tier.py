@@ -326,8 +326,8 @@ class HostTier(TreeHooks):
     # ------------------------------------------------------------------ inspection
     def lock_holders(self) -> list[LockHolder]:
         """The tier's own locks (copies in flight), for the lock check."""
-        return ([(f"write op {op}", n) for op, n in self.ongoing_writes.items()]
-                + [(f"load op {op}", n) for op, n in self.ongoing_loads.items()])
+        holders: list[LockHolder] = [(f"write op {op}", n) for op, n in self.ongoing_writes.items()]
+        return holders + [(f"load op {op}", n) for op, n in self.ongoing_loads.items()]
 
     def copy_pinned_size(self) -> int:
         """Device tokens locked only by in-flight copies: eviction can reclaim them by waiting,

@@ -14,8 +14,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.hicache.host_tier import HiTreeNode, hi
-from radixlm.radix_cache.integrity import (assert_counters, check_index, check_locks, check_root, check_slot_ownership,
-                                           check_tree_links)
+from radixlm.radix_cache.integrity import (
+    assert_counters,
+    check_index,
+    check_locks,
+    check_root,
+    check_slot_ownership,
+    check_tree_links,
+)
 from radixlm.radix_cache.prefix_cache import LockHolder, TreeNode
 
 if TYPE_CHECKING:

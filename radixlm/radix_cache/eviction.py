@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from radixlm.registry import Registry
 
 if TYPE_CHECKING:
-    from radixlm.radix_cache.radix_cache import TreeNode
+    from radixlm.radix_cache.prefix_cache import TreeNode
 
 __all__ = ["EvictionPolicy", "EVICTION_POLICIES"]
 
@@ -23,7 +23,7 @@ class EvictionPolicy(ABC):
     """Maps a tree node to its eviction key; the smallest key is evicted first."""
 
     @abstractmethod
-    def get_priority(self, node: "TreeNode") -> Any: ...
+    def get_priority(self, node: TreeNode) -> Any: ...
 
 
 EVICTION_POLICIES: Registry[type[EvictionPolicy]] = Registry("eviction policy")
@@ -33,7 +33,7 @@ EVICTION_POLICIES: Registry[type[EvictionPolicy]] = Registry("eviction policy")
 class LRUPolicy(EvictionPolicy):
     """Least recently used (match or insert touching the node) goes first."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return node.last_access_time
 
 
@@ -41,7 +41,7 @@ class LRUPolicy(EvictionPolicy):
 class LFUPolicy(EvictionPolicy):
     """Fewest hits first; LRU among equally popular nodes."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return (node.hit_count, node.last_access_time)
 
 
@@ -49,7 +49,7 @@ class LFUPolicy(EvictionPolicy):
 class FIFOPolicy(EvictionPolicy):
     """Oldest node first, regardless of use."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return node.creation_time
 
 
@@ -57,7 +57,7 @@ class FIFOPolicy(EvictionPolicy):
 class MRUPolicy(EvictionPolicy):
     """Most recently used first (useful for cyclic scans larger than the cache)."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return -node.last_access_time
 
 
@@ -65,7 +65,7 @@ class MRUPolicy(EvictionPolicy):
 class FILOPolicy(EvictionPolicy):
     """Newest node first."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return -node.creation_time
 
 
@@ -74,7 +74,7 @@ class PriorityPolicy(EvictionPolicy):
     """Lowest request priority first (a node carries the max priority inserted through it);
     LRU among equal priorities."""
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return (node.priority, node.last_access_time)
 
 
@@ -86,5 +86,5 @@ class SLRUPolicy(EvictionPolicy):
     def __init__(self, protected_threshold: int = 2) -> None:
         self.protected_threshold = protected_threshold
 
-    def get_priority(self, node: "TreeNode") -> Any:
+    def get_priority(self, node: TreeNode) -> Any:
         return (node.hit_count >= self.protected_threshold, node.last_access_time)

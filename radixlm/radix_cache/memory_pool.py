@@ -100,7 +100,8 @@ class TokenToKVPoolAllocator:
         if self._free_set is not None:
             vals = indices.tolist()
             if min(vals) < 1 or max(vals) > self.capacity:
-                raise AssertionError(f"freeing KV slot out of range: {[v for v in vals if not 1 <= v <= self.capacity][:8]}")
+                bad = [v for v in vals if not 1 <= v <= self.capacity]
+                raise AssertionError(f"freeing KV slot out of range: {bad[:8]}")
             if len(set(vals)) != len(vals) or not self._free_set.isdisjoint(vals):
                 raise AssertionError(f"double free of KV slots: {sorted(self._free_set.intersection(vals))[:8]}")
             self._free_set.update(vals)

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.radix_cache.prefix_cache import (EMPTY_SLOTS, PREFIX_CACHES, DeviceKV, LockHolder, MatchResult,
-                                              PrefixCache, PrefixCacheConfig, RadixKey, TreeNode)
+from radixlm.radix_cache.prefix_cache import (
+    EMPTY_SLOTS,
+    PREFIX_CACHES,
+    DeviceKV,
+    LockHolder,
+    MatchResult,
+    PrefixCache,
+    PrefixCacheConfig,
+    RadixKey,
+    TreeNode,
+)
 
 __all__ = ["NoPrefixCache"]
 

@@ -11,15 +11,17 @@ sees a request and never calls an allocator:
 
 Implementations: `RadixCache` (the tree), `NoPrefixCache` (`--disable-radix-cache`) and
 `HiRadixCache` (the tree over a host tier, `radixlm/hicache`), built by name from
-`PREFIX_CACHES` (the command line's choices come from it too). A lower tier's operations (`poll`, `before_forward`, `load_back`, ...) have
-no-op defaults here, so the manager calls them whatever cache it holds.
+`PREFIX_CACHES` (the command line's choices come from it too). A lower tier's operations
+(`poll`, `before_forward`, `load_back`, ...) have no-op defaults here, so the manager calls
+them whatever cache it holds.
 """
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -32,20 +34,21 @@ EMPTY_SLOTS = torch.empty((0,), dtype=torch.int64)
 _node_ids = itertools.count()
 
 
-@dataclass(slots=True)
 class RadixKey:
     """Token ids plus a namespace: keys with different `extra_key` (LoRA, cache salt,
     weight version) never share a node, even for identical tokens."""
 
-    token_ids: list[int]
-    extra_key: str | None = None
+    __slots__ = ("token_ids", "extra_key")
 
-    def __post_init__(self) -> None:
+    def __init__(self, token_ids: Sequence[int] | torch.Tensor, extra_key: str | None = None) -> None:
         # Matching compares list slices at C speed; a tuple or tensor would never compare equal.
-        if isinstance(self.token_ids, torch.Tensor):
-            self.token_ids = self.token_ids.tolist()
-        elif not isinstance(self.token_ids, list):
-            self.token_ids = list(self.token_ids)
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        self.token_ids: list[int] = token_ids if isinstance(token_ids, list) else list(token_ids)
+        self.extra_key = extra_key
+
+    def __repr__(self) -> str:
+        return f"RadixKey({self.token_ids!r}, extra_key={self.extra_key!r})"
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from radixlm.radix_cache.eviction import EVICTION_POLICIES, EvictionPolicy
-from radixlm.radix_cache.prefix_cache import (EMPTY_SLOTS, PREFIX_CACHES, DeviceKV, LockHolder, MatchResult,
-                                              PrefixCache, PrefixCacheConfig, RadixKey, TreeNode)
+from radixlm.radix_cache.prefix_cache import (
+    EMPTY_SLOTS,
+    PREFIX_CACHES,
+    DeviceKV,
+    LockHolder,
+    MatchResult,
+    PrefixCache,
+    PrefixCacheConfig,
+    RadixKey,
+    TreeNode,
+)
 
 __all__ = ["RadixCache", "TreeHooks"]
 
@@ -287,7 +297,8 @@ class RadixCache(PrefixCache):
         freed: list[torch.Tensor] = []
         evicted = 0
         while evicted < num_tokens and heap:
-            victims, want = [], 0
+            victims: list[TreeNode] = []
+            want = 0
             while heap and (not victims or (self.hooks.evict_in_rounds and evicted + want < num_tokens)):
                 x = heapq.heappop(heap)[2]
                 victims.append(x)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from radixlm.messages import AbortReq
 
@@ -22,3 +23,12 @@ def abort_matches(msg: AbortReq, rid: str) -> bool:
     if msg.prefix:
         return rid.startswith(msg.rid)
     return rid.startswith(msg.rid) and _CHILD.fullmatch(rid[len(msg.rid):]) is not None
+
+
+def abort_matcher(msg: AbortReq) -> Callable[[str], bool]:
+    """abort_matches(msg, ·), with an exact rid list looked up as a set (an abort_all of a
+    large batch meets every request)."""
+    if msg.rids and not msg.abort_all:
+        wanted = set(msg.rids)
+        return wanted.__contains__
+    return lambda rid: abort_matches(msg, rid)

@@ -38,7 +38,7 @@ def prefill_batch(plan: PrefillBatchPlan) -> WorkerBatch:
     input_ids: list[int] = []
     ranges: list[tuple[int, int]] = []
     targets: list[list[int]] = []
-    for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
+    for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, strict=True):
         input_ids.extend(req.fill_ids[prefix:prefix + extend])
         r, t = input_logprob_range(req, prefix, extend)
         ranges.append(r)

@@ -20,8 +20,15 @@ import torch
 
 from radixlm.core import Req
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from radixlm.radix_cache.prefix_cache import (EMPTY_SLOTS, PREFIX_CACHES, DeviceKV, PrefixCache, PrefixCacheConfig,
-                                              RadixKey, TreeNode)
+from radixlm.radix_cache.prefix_cache import (
+    EMPTY_SLOTS,
+    PREFIX_CACHES,
+    DeviceKV,
+    PrefixCache,
+    PrefixCacheConfig,
+    RadixKey,
+    TreeNode,
+)
 
 logger = logging.getLogger(__name__)
 

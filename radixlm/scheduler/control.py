@@ -6,11 +6,23 @@ the model or the whole KV pool still first lets the launched batch resolve (`syn
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from radixlm.messages import (AbortReq, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq, GetWeightsByNameReq,
-                              PauseReq, ReleaseMemoryReq, ResumeMemoryReq, TokenizedGenerateReq,
-                              UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.messages import (
+    AbortReq,
+    CheckIntegrityReq,
+    ContinueReq,
+    FlushCacheReq,
+    GetInfoReq,
+    GetWeightsByNameReq,
+    PauseReq,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
+    TokenizedGenerateReq,
+    UpdateWeightsFromDiskReq,
+    UpdateWeightsFromTensorReq,
+)
 
 if TYPE_CHECKING:
     from radixlm.scheduler.scheduler import Scheduler

@@ -52,7 +52,7 @@ class GrammarQueue:
         self.backend = backend
         self._num_threads = num_threads
         self._pool: ThreadPoolExecutor | None = None  # started by the first structured request
-        self._cache: collections.OrderedDict[tuple[str, str], Future] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str], Future[Any]] = collections.OrderedDict()
         self._cache_size = cache_size
         # keyed by id(req): insertion order is arrival order (fairness), removal is O(1)
         self._pending: dict[int, tuple[Req, tuple[str, str]]] = {}
@@ -82,7 +82,7 @@ class GrammarQueue:
         self._cache[key] = self._submit(key)
         self._trim()
 
-    def _submit(self, key: tuple[str, str]) -> Future:
+    def _submit(self, key: tuple[str, str]) -> Future[Any]:
         assert self.backend is not None, "no grammar backend"
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self._num_threads, thread_name_prefix="radixlm-grammar")
@@ -119,6 +119,9 @@ class GrammarQueue:
         failed, each with the 400 abort to answer it with)."""
         ready: list[Req] = []
         failed: list[tuple[Req, FinishReason]] = []
+        backend = self.backend
+        if backend is None:
+            return ready, failed  # nothing is ever queued without a backend
         for rid_key, (req, key) in list(self._pending.items()):
             fut = self._cache[key]
             if not fut.done():
@@ -127,7 +130,7 @@ class GrammarQueue:
             error = fut.exception()
             if error is None:
                 try:
-                    req.grammar = self.backend.new_matcher(fut.result())
+                    req.grammar = backend.new_matcher(fut.result())
                 except Exception as e:  # noqa: BLE001 - one request's matcher must not stop the loop
                     error = e
                 else:

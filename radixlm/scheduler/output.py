@@ -44,6 +44,7 @@ def append_token(req: Req, token: int, logprob: float | None,
                  top: list[tuple[float, int]] | None) -> None:
     req.output_ids.append(token)
     if req.return_logprob:
+        assert logprob is not None, f"{req.rid}: no logprob for a request that asked for them"
         req.output_token_logprobs.append((logprob, token))
         if req.top_logprobs_num > 0:
             req.output_top_logprobs.append(top or [])
@@ -100,7 +101,7 @@ def record_input_logprobs(req: Req, targets: list[int], result: BatchResult, i: 
         req.input_token_logprobs.append((None, req.origin_input_ids[0]))
         if req.top_logprobs_num > 0:
             req.input_top_logprobs.append(None)
-    for j, (lp, tok) in enumerate(zip(lps, targets)):
+    for j, (lp, tok) in enumerate(zip(lps, targets, strict=True)):
         req.input_token_logprobs.append((lp, tok))
         if req.top_logprobs_num > 0:
             req.input_top_logprobs.append(tops[j])

@@ -13,9 +13,9 @@ seeds and min_new_tokens only need the snapshot's length, which is right either 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -48,7 +48,7 @@ def snapshot_values_needed(batch: WorkerBatch) -> bool:
     if batch.output_snapshots is None:
         return False
     return any(snap and snap[-1] < 0 and req.sampling_params.has_penalty
-               for req, snap in zip(batch.reqs, batch.output_snapshots))
+               for req, snap in zip(batch.reqs, batch.output_snapshots, strict=True))
 
 
 class ForwardTimer:

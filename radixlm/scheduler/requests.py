@@ -17,7 +17,7 @@ decode batch's order.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from radixlm.core import Req
 

@@ -5,8 +5,8 @@ Constants and formulas are semantics §4.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from radixlm.core import Req
 from radixlm.registry import Registry

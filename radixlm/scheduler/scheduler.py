@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from radixlm.core import FinishReason, Req
 from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, TokenizedGenerateReq
 from radixlm.scheduler import control
-from radixlm.scheduler.abort import abort_matches
+from radixlm.scheduler.abort import abort_matcher
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.batch_builder import decode_batch, prefill_batch
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.config import SchedulerConfig
 from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue
-from radixlm.scheduler.output import Tokenizer, StopStringChecker, accept_token, make_output, record_input_logprobs
+from radixlm.scheduler.output import StopStringChecker, Tokenizer, accept_token, make_output, record_input_logprobs
 from radixlm.scheduler.overlap import ForwardWorker, InFlight
 from radixlm.scheduler.policy import make_policy
 from radixlm.scheduler.prefill import AddStatus, PrefillAdder
@@ -130,10 +131,8 @@ class Scheduler:
 
     def abort(self, msg: AbortReq) -> int:
         """Apply an abort at the top of an iteration; returns how many requests it hit."""
-        if msg.rids and not isinstance(msg.rids, set):
-            msg.rids = set(msg.rids)  # type: ignore[assignment]  # O(1) lookups
-        hits = self.requests.find(lambda r: r.to_finish is None and not r.finished and abort_matches(msg, r.rid),
-                                  *ABORTABLE)
+        named = abort_matcher(msg)
+        hits = self.requests.find(lambda r: r.to_finish is None and not r.finished and named(r.rid), *ABORTABLE)
         for req in hits:
             req.abort_sent_time = msg.sent_time or None
             self.stats.count_abort(self.stop(req, FinishReason.abort()))
@@ -153,7 +152,7 @@ class Scheduler:
         if place is Place.GRAMMAR:
             self.grammar_queue.remove(req)  # cancel its compile if nobody else waits for it
         self._finish(req, reason)
-        return place.value
+        return place.name.lower()
 
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
@@ -249,7 +248,7 @@ class Scheduler:
             self._flush_outputs()
 
     def _launch(self, batch: WorkerBatch) -> InFlight:
-        for req, samples in zip(batch.reqs, batch.sample):
+        for req, samples in zip(batch.reqs, batch.sample, strict=True):
             req.inflight += 1
             if samples:
                 req.pending_tokens += 1
@@ -306,7 +305,7 @@ class Scheduler:
         if not plan.reqs:
             return None
         now = time.perf_counter()
-        for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens):
+        for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, strict=True):
             self.requests.put(req, Place.PREFILL)  # back to CHUNKED in postprocess if a chunk remains
             if req.admit_time is None:
                 req.admit_time = now
@@ -367,7 +366,7 @@ class Scheduler:
 
     # ================================================================ results
     def postprocess(self, batch: WorkerBatch, result: BatchResult) -> None:
-        for req, samples in zip(batch.reqs, batch.sample):
+        for req, samples in zip(batch.reqs, batch.sample, strict=True):
             req.inflight -= 1
             if samples:
                 req.pending_tokens -= 1
@@ -404,13 +403,13 @@ class Scheduler:
                 self._maybe_stream(req)
 
     def process_decode_result(self, batch: WorkerBatch, result: BatchResult) -> None:
-        finished = []
+        finished: list[Req] = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
             accept_token(req, result, i, self.stop_checker)
-            if req.finished:
+            if req.finish_reason is not None:
                 finished.append(req)
             else:
                 self._maybe_stream(req)

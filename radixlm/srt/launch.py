@@ -8,6 +8,7 @@ Each child reports readiness (or its start-up error) on a ZMQ socket of the laun
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+import radixlm.envs as envs
 from radixlm.config import ServerArgs
 from radixlm.ipc import PortArgs, Receiver, Sender
 from radixlm.messages import ShutdownReq
@@ -69,7 +71,8 @@ def launch_subprocesses(args: ServerArgs) -> RuntimeProcesses:
     runtime = RuntimeProcesses(ports, procs)
     try:
         for kind in CHILD_KINDS:
-            p = subprocess.Popen([sys.executable, "-m", "radixlm.srt.child"], stdin=subprocess.PIPE)
+            p = subprocess.Popen([sys.executable, "-m", "radixlm.srt.child"], stdin=subprocess.PIPE,
+                                 env={**os.environ, **envs.CHILD_ENV})
             p.stdin.write(pickle.dumps((kind, args, ports)))
             p.stdin.close()
             procs[kind] = p

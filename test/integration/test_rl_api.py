@@ -155,7 +155,8 @@ def test_update_from_disk_and_namespaced_cache(engine, hf, tmp_path):
     new = _perturbed(hf, 5)
     hf.load_state_dict(new, strict=False)
     hf.save_pretrained(str(tmp_path), safe_serialization=True)
-    import shutil, os
+    import os
+    import shutil
     for f in os.listdir(engine.server_args.model_path):
         if "token" in f or f.endswith(".jinja"):
             shutil.copy(os.path.join(engine.server_args.model_path, f), tmp_path)

@@ -78,3 +78,22 @@ def test_only_the_cache_manager_writes_a_requests_kv_fields():
                             (isinstance(sub.value, ast.Name) and sub.value.id == "self"):
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno} writes .{sub.attr}")
     assert not bad, "KV fields written outside the cache manager:\n" + "\n".join(bad)
+
+
+def test_importing_radixlm_changes_no_environment():
+    """No import-time side effects on the process: importing every module leaves os.environ as it
+    was (what the runtime's children need, e.g. HF_HUB_OFFLINE, the launcher gives them)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import importlib, os, pkgutil, radixlm\n"
+            "before = dict(os.environ)\n"
+            "for m in pkgutil.walk_packages(radixlm.__path__, 'radixlm.'):\n"
+            "    try:\n"
+            "        importlib.import_module(m.name)\n"
+            "    except ImportError:\n"
+            "        pass  # a GPU library that is not installed\n"
+            "changed = set(os.environ.items()) ^ set(before.items())\n"
+            "assert not changed, changed\n")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

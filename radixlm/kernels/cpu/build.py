@@ -22,6 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import radixlm.envs as envs
 from radixlm.kernels.cpu.cpuinfo import cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ _SIGNATURES = {
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
-    return Path(base) / "kernels"
+    return Path(envs.cache_dir()) / "kernels"
 
 
 def _compiler() -> str | None:
@@ -111,7 +111,7 @@ def load() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
-    if os.environ.get("RADIXLM_CPU_KERNELS", "1") == "0":
+    if not envs.cpu_kernels_enabled():
         return None
     import torch  # noqa: F401 - torch's libgomp must be loaded first so the library shares it
 

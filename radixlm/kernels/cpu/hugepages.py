@@ -17,18 +17,18 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 import sys
 
 import torch
+
+import radixlm.envs as envs
 
 HUGE_PAGE = 2 << 20
 _MIN_BYTES = 2 * HUGE_PAGE
 
 
 def hugepages_enabled() -> bool:
-    return (os.environ.get("RADIXLM_HUGEPAGES", "1") != "0" and sys.platform.startswith("linux")
-            and hasattr(mmap, "MADV_HUGEPAGE"))
+    return envs.hugepages_enabled() and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def empty_hugepage(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -15,18 +15,17 @@ invalidated the same way.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import radixlm.envs as envs
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 
 
 def mkldnn_pack_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether prepacked oneDNN linear is usable (and worth it) for this dtype/device."""
-    if os.environ.get("RADIXLM_MKLDNN_PACK", "1") == "0":
+    if not envs.mkldnn_pack_enabled():
         return False
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
         return False

@@ -6,11 +6,11 @@ depend on the device and the model.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+import radixlm.envs as envs
 from radixlm.config import ModelConfig, ServerArgs
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
 from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders, snapshot_values_needed
@@ -100,7 +100,7 @@ class ModelRunner:
         self.model_config = load_model_config(self.model_path)
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device == "cpu":
-            torch.set_num_threads(int(os.environ.get("RADIXLM_NUM_THREADS", torch.get_num_threads())))
+            torch.set_num_threads(envs.num_threads() or torch.get_num_threads())
         cfg = self.model_config
         self.model = build_model(cfg, self.dtype, self.device)
         self.model.load_weights(iter_weights(self.model_path, cfg))

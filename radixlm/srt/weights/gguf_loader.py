@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+import radixlm.envs as envs
 from radixlm.config import ModelConfig
 
 _GGUF_MAGIC = b"GGUF"
@@ -237,7 +238,7 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
 
 # ---- on-disk cache of converted GGUF artefacts ----
 def cache_root() -> str:
-    return os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+    return envs.cache_dir()
 
 
 def gguf_cache_dir(path: str) -> str:

@@ -1,4 +1,5 @@
-"""Tokenizer loading, offline only.
+"""Tokenizer loading, offline only (`local_files_only`; the runtime's child processes also run
+with HF_HUB_OFFLINE=1, `radixlm.envs.CHILD_ENV`).
 
 For a GGUF file, transformers rebuilds a fast tokenizer from the embedded vocab and
 merges (~5 s); the result, chat template included, is saved next to the dequantized
@@ -12,11 +13,6 @@ import shutil
 from typing import Any
 
 from radixlm.srt.weights.gguf_loader import gguf_cache_dir
-
-# Never reach the Hub: the serving machine may be offline and a silent download of a
-# different tokenizer would be worse than an error. Must be set before transformers
-# (huggingface_hub) is imported to take full effect; local_files_only covers the rest.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,48 @@
+"""Every RADIXLM_* environment variable, read here and nowhere else.
+
+Each is read when asked (not at import), so a test or a launcher may set it first. Importing
+any radixlm module leaves the process environment as it found it; the only variable radixlm
+sets is for its own child processes (`CHILD_ENV`, given by the launcher).
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "num_threads", "cache_dir",
+           "CHILD_ENV"]
+
+# The scheduler and detokenizer never reach the Hugging Face Hub: a serving machine may be
+# offline, and a silent download of another tokenizer would be worse than an error. (Loading
+# passes local_files_only too; the variable also covers what transformers reads at import.)
+CHILD_ENV = {"HF_HUB_OFFLINE": "1"}
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def cpu_kernels_enabled() -> bool:
+    """RADIXLM_CPU_KERNELS=0: no native CPU kernels (torch ops everywhere)."""
+    return _on("RADIXLM_CPU_KERNELS")
+
+
+def hugepages_enabled() -> bool:
+    """RADIXLM_HUGEPAGES=0: large CPU buffers without transparent huge pages."""
+    return _on("RADIXLM_HUGEPAGES")
+
+
+def mkldnn_pack_enabled() -> bool:
+    """RADIXLM_MKLDNN_PACK=0: no oneDNN-prepacked bf16 linear weights."""
+    return _on("RADIXLM_MKLDNN_PACK")
+
+
+def num_threads() -> int | None:
+    """RADIXLM_NUM_THREADS: torch's intra-op threads on CPU (default: torch's own choice)."""
+    value = os.environ.get("RADIXLM_NUM_THREADS")
+    return int(value) if value else None
+
+
+def cache_dir() -> str:
+    """RADIXLM_CACHE_DIR: dequantized GGUF weights, tokenizers, compiled kernels
+    (default ~/.cache/radixlm)."""
+    return os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
