@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
+    from radixlm.srt.model_runner.config import RunnerConfig
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,10 @@ class ServerArgs:
             max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
             request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
             stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity)
+
+    def runner_config(self) -> "RunnerConfig":
+        from radixlm.srt.model_runner.config import RunnerConfig
+        return RunnerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)})
 
     def prefix_cache_config(self) -> "PrefixCacheConfig":
         from radixlm.radix_cache.prefix_cache import PrefixCacheConfig

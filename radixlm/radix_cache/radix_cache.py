@@ -135,27 +135,30 @@ class RadixCache(PrefixCache):
             self._evictable_leaves.add(node)
 
     # ------------------------------------------------------------------ match / insert
+    def _descend(self, node: TreeNode, key: RadixKey, pos: int, n: int) -> tuple[TreeNode, int] | None:
+        """The child of `node` continuing `key[pos:n]` and how many tokens of it match (whole
+        pages); a match ending inside the child splits it, so the child returned ends there and
+        the next descent from it finds nothing."""
+        child = node.children.get(self.child_key(key, pos))
+        if child is None:
+            return None
+        m = self._match_len(child.key.token_ids, key.token_ids, pos, n)
+        if m < len(child.key):
+            child = self._split_node(child, m)
+        return child, m
+
     def walk(self, key: RadixKey, count_hit: bool = True) -> list[TreeNode]:
-        """The nodes matching `key` from the root down, touched; a match ending inside a node
-        splits it, so the last node ends exactly where the match does."""
+        """The nodes matching `key` from the root down, touched (access time, hit count)."""
         n = self.page_align(len(key))
         tick = self._tick()
         node, pos = self.root, 0
         path: list[TreeNode] = []
-        while pos < n:
-            child = node.children.get(self.child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key.token_ids, key.token_ids, pos, n)
-            partial = m < len(child.key)
-            if partial:
-                child = self._split_node(child, m)
-            child.last_access_time = tick
-            child.hit_count += count_hit
-            path.append(child)
-            node, pos = child, pos + m
-            if partial:
-                break
+        while pos < n and (step := self._descend(node, key, pos, n)) is not None:
+            node, m = step
+            node.last_access_time = tick
+            node.hit_count += count_hit
+            path.append(node)
+            pos += m
         return path
 
     def device_match(self, path: list[TreeNode]) -> MatchResult:
@@ -180,23 +183,16 @@ class RadixCache(PrefixCache):
         node, pos = self.root, 0
         present: int | None = None  # set where the first node without device KV took slots
         path: list[TreeNode] = []
-        while pos < n:
-            child = node.children.get(self.child_key(key, pos))
-            if child is None:
-                break
-            m = self._match_len(child.key.token_ids, key.token_ids, pos, n)
-            if m < len(child.key):
-                # After the split the new node's only child continues differently from
-                # key[pos+m:], so the next iteration stops (or pos reached n).
-                child = self._split_node(child, m)
-            child.last_access_time = tick
-            child.priority = max(child.priority, priority)
-            if child.value is None:  # kept for a lower tier: it takes the caller's slots
-                self.attach([child], value[pos:pos + m])
+        while pos < n and (step := self._descend(node, key, pos, n)) is not None:
+            node, m = step
+            node.last_access_time = tick
+            node.priority = max(node.priority, priority)
+            if node.value is None:  # kept for a lower tier: it takes the caller's slots
+                self.attach([node], value[pos:pos + m])
                 if present is None:
                     present = pos
-            path.append(child)
-            node, pos = child, pos + m
+            path.append(node)
+            pos += m
         if pos < n:
             leaf = self.node_type(key=key[pos:n], value=value[pos:n].to(torch.int64).clone(), parent=node,
                                   last_access_time=tick, creation_time=tick, priority=priority)

@@ -30,6 +30,7 @@ from radixlm.scheduler.prefill import AddStatus, PrefillAdder
 from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
 from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker, retraction_order
 from radixlm.scheduler.stats import CancelLatency, SchedulerStats
+from radixlm.scheduler.validate import check_new_request, deadline_passed
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Scheduler:
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
                   extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
-        error = self._validate(req)
+        error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
             self.stats.num_rejected += 1
@@ -108,26 +109,9 @@ class Scheduler:
         grammar = req.sampling_params.grammar
         if grammar is not None:
             self.requests.put(req, Place.GRAMMAR)
-            self.grammar_queue.add(req, grammar)  # _validate made sure there is a backend
+            self.grammar_queue.add(req, grammar)  # check_new_request made sure there is a backend
             return
         self.requests.put(req, Place.WAITING)
-
-    def _validate(self, req: Req) -> tuple[str, int] | None:
-        n = len(req.origin_input_ids)
-        limit = min(self.runner.max_context_len, self.cache.capacity) - 1
-        if n == 0:
-            return "the prompt is empty", 400
-        if n > limit:
-            return f"the prompt has {n} tokens, more than the maximum of {limit}", 400
-        if any(not 0 <= t < self.runner.vocab_size for t in req.origin_input_ids):
-            return f"input token ids must be in [0, {self.runner.vocab_size})", 400
-        sp = req.sampling_params
-        if sp.grammar is not None and not self.grammar_queue.available:
-            return "structured output (json_schema, regex, ebnf) is not available: xgrammar is not installed", 400
-        # Generation may not run past the context window.
-        sp.max_new_tokens = min(sp.max_new_tokens, self.runner.max_context_len - n)
-        sp.min_new_tokens = min(sp.min_new_tokens, sp.max_new_tokens)
-        return None
 
     def abort(self, msg: AbortReq) -> int:
         """Apply an abort at the top of an iteration; returns how many requests it hit."""
@@ -157,21 +141,9 @@ class Scheduler:
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
         now = time.perf_counter()
-        wait_limit, run_limit = self.config.request_waiting_timeout, self.config.request_running_timeout
-
-        def expired(req: Req, waiting: bool) -> str | None:
-            if req.timeout is not None and now - req.created_time > req.timeout:
-                return f"request timed out after {req.timeout:g} s"
-            if waiting and wait_limit is not None and now - req.created_time > wait_limit:
-                return f"request waited longer than {wait_limit:g} s in the queue"
-            if not waiting and run_limit is not None and req.admit_time is not None \
-                    and now - req.admit_time > run_limit:
-                return f"request ran longer than {run_limit:g} s"
-            return None
-
         for waiting, places in ((True, (Place.WAITING, Place.GRAMMAR)), (False, (Place.RUNNING, Place.CHUNKED))):
             for req in self.requests.find(lambda r: r.to_finish is None, *places):
-                why = expired(req, waiting)
+                why = deadline_passed(req, now, waiting, self.config)
                 if why:
                     self.stats.num_timeouts += 1
                     self.stop(req, FinishReason.abort(why, status_code=503))
@@ -283,9 +255,6 @@ class Scheduler:
             self._finish(req, reason)
 
     # ================================================================ batch choice
-    def get_next_batch(self) -> WorkerBatch | None:
-        return self.schedule()
-
     def get_prefill_batch(self) -> WorkerBatch | None:
         chunked, waiting = self.chunked_req, self.waiting
         if not waiting and chunked is None:

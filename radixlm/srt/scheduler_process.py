@@ -25,7 +25,7 @@ def build_scheduler(args: ServerArgs, send_output):
     from radixlm.srt.model_runner.runner import ModelRunner
     from radixlm.srt.weights.loader import load_tokenizer
 
-    runner = ModelRunner(args)
+    runner = ModelRunner(args.runner_config())
     tokenizer = load_tokenizer(args.tokenizer_path or runner.model_path)
     sizes = runner.sizes
     # HiCache mirrors every slot-indexed tensor (K, V and, for an int8 pool, their scales), so a

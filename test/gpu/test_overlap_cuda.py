@@ -24,7 +24,7 @@ from test.overlap_batches import decode_batch, free_reqs, make_req, prefill_batc
 def runner(tiny_llama_dir):
     from radixlm.srt.model_runner.runner import ModelRunner
     return ModelRunner(ServerArgs.from_kwargs(model_path=tiny_llama_dir, device="cuda", dtype="float32",
-                                              max_total_tokens=2048, max_running_requests=8))
+                                              max_total_tokens=2048, max_running_requests=8).runner_config())
 
 
 def _free(runner, reqs, n_extra: int) -> None:

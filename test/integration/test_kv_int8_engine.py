@@ -113,7 +113,7 @@ def test_gpu_backends_are_refused_before_the_pool_is_allocated(tiny_llama_dir, b
     args = ServerArgs.from_kwargs(model_path=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_dtype="int8",
                                   attention_backend=backend, max_total_tokens=64)
     with pytest.raises(ValueError, match="cpu and torch_native"):
-        ModelRunner(args)
+        ModelRunner(args.runner_config())
 
 
 # ---------------------------------------------------------------- HiCache

@@ -24,7 +24,7 @@ from test.overlap_batches import DeferredCopyStream, decode_batch, free_reqs, ma
 def runner(tiny_llama_dir):
     from radixlm.srt.model_runner.runner import ModelRunner
     return ModelRunner(ServerArgs.from_kwargs(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=1024,
-                                              max_running_requests=8))
+                                              max_running_requests=8).runner_config())
 
 
 def _two_steps(runner, params: list[dict], overlap: bool):

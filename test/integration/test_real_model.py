@@ -71,7 +71,7 @@ def test_last_position_logits_match_hf(real_engine, hf_real, default_model_path)
     from radixlm.srt.model_runner.runner import ModelRunner
     from test.overlap_batches import pools
 
-    runner = ModelRunner(ServerArgs(model_path=default_model_path, dtype="float32", max_total_tokens=1024))
+    runner = ModelRunner(ServerArgs(model_path=default_model_path, dtype="float32", max_total_tokens=1024).runner_config())
     ids = _chat_ids(real_engine.tokenizer, QUESTIONS[0])
     rows, alloc = pools(runner)
     slot = rows.alloc()

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 import radixlm.envs as envs
-from radixlm.config import ModelConfig, ServerArgs
+from radixlm.config import ModelConfig
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
 from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders, snapshot_values_needed
 from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
 from radixlm.srt.model_runner.attention.base import create_attention_backend
+from radixlm.srt.model_runner.config import RunnerConfig
 from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, check_kv_cache_backend
@@ -55,7 +56,7 @@ class RuntimeSizes:
     max_context_len: int
 
 
-def resolve_sizes(args: ServerArgs, cfg: ModelConfig, device: str, dtype: torch.dtype) -> RuntimeSizes:
+def resolve_sizes(args: RunnerConfig, cfg: ModelConfig, device: str, dtype: torch.dtype) -> RuntimeSizes:
     context = args.context_length or cfg.context_len
     if args.max_total_tokens is not None:
         total = args.max_total_tokens
@@ -89,7 +90,7 @@ def default_attention_backend(device: str, kv_cache_dtype: str = "auto") -> str:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: RunnerConfig) -> None:
         from radixlm.srt.layers.int8_linear import check_quantization
         from radixlm.srt.models.registry import build_model
         from radixlm.srt.weights.loader import (iter_weights, load_model_config, resolve_dtype,

@@ -182,8 +182,9 @@ def test_resolve_sizes_fits_more_int8_tokens(monkeypatch):
     monkeypatch.setattr(runner, "_available_memory_bytes", lambda device: 1 << 30)
     cfg = ModelConfig(num_hidden_layers=30, num_key_value_heads=3, head_dim=64)
     args = ServerArgs(mem_fraction_static=0.01)
-    auto = runner.resolve_sizes(args, cfg, "cpu", torch.bfloat16).max_total_tokens
-    int8 = runner.resolve_sizes(args.replace(kv_cache_dtype="int8"), cfg, "cpu", torch.bfloat16).max_total_tokens
+    auto = runner.resolve_sizes(args.runner_config(), cfg, "cpu", torch.bfloat16).max_total_tokens
+    int8 = runner.resolve_sizes(args.replace(kv_cache_dtype="int8").runner_config(), cfg, "cpu",
+                                torch.bfloat16).max_total_tokens
     assert auto == int(0.01 * (1 << 30) / (2 * 30 * 3 * 64 * 2))
     assert int8 == int(0.01 * (1 << 30) / (2 * 30 * 3 * 68))
     assert int8 / auto == pytest.approx(128 / 68, rel=1e-3)
