@@ -173,7 +173,7 @@ def gather_dequant_int8(q_buf: torch.Tensor, scale: torch.Tensor, index: torch.T
 
 
 def decode_int8_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI)."""
+    """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI or AVX2)."""
     lib = load()
     return (lib is not None and num_kv_heads > 0 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP and lib.radixlm_decode_int8_supports(head_dim) == 1)
@@ -230,7 +230,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 
 
 def int8_linear_available() -> bool:
-    """Whether the library has the prepacked int8 GEMM (built with AVX512-VNNI)."""
+    """Whether the library has the prepacked int8 GEMM (AVX512-VNNI or AVX2 builds)."""
     lib = load()
     return lib is not None and lib.radixlm_int8_linear_available() == 1
 
