@@ -16,12 +16,22 @@
 // head into a scratch block that each of its query heads reads, with the value scales folded
 // into the probabilities.
 
+//
+// On AVX2 + FMA without AVX-512 (RADIXLM_KV_INT8_AVX2) the same scheme in 8-lane vectors:
+// q . k by the sign trick of quant_ops.cpp (vpmaddubsw of |q| and k with q's sign, then
+// vpmaddwd against ones: exact, no +128 correction needed), 8 keys' sums reduced at once,
+// P @ V in float over 16 dims at a time for up to 4 query heads.
+
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RADIXLM_KV_INT8 1
+#endif
+#include "avx2.h"
+#if defined(RADIXLM_AVX2)
+#define RADIXLM_KV_INT8_AVX2 1
 #endif
 #include <stdint.h>
 #include <math.h>
@@ -230,6 +240,137 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
   }
 }
 
+#endif  // RADIXLM_KV_INT8
+
+#ifdef RADIXLM_KV_INT8_AVX2
+constexpr int kChunk = 128;  // keys per softmax step, as the AVX-512 kernel
+
+// acc[GN][16 dims at d0] += sum over the chunk's keys j < nc of w[g][j] * value row j's dims
+// d0..d0+15 (int8, widened once per key for all GN heads).
+template <int GN>
+inline void pv_dims16(const int8_t* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunk],
+                      float* acc, int64_t acc_stride) {
+  __m256 o[GN][2];
+  for (int g = 0; g < GN; ++g) {
+    o[g][0] = _mm256_loadu_ps(acc + g * acc_stride);
+    o[g][1] = _mm256_loadu_ps(acc + g * acc_stride + 8);
+  }
+  for (int j = 0; j < nc; ++j) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)(vbuf + slot[j] * row));
+    const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_broadcast_ss(&w[g][j]);
+      o[g][0] = _mm256_fmadd_ps(p, x0, o[g][0]);
+      o[g][1] = _mm256_fmadd_ps(p, x1, o[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm256_storeu_ps(acc + g * acc_stride, o[g][0]);
+    _mm256_storeu_ps(acc + g * acc_stride + 8, o[g][1]);
+  }
+}
+
+// attend_range_int8 of the AVX-512 kernel, same contract and arithmetic, in 8-key blocks.
+template <typename T, int NC>  // D = 64 * NC
+void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int8_t* kbuf, const int8_t* vbuf,
+                       const float* ksc, const float* vsc, const int64_t* idx, int64_t k0, int64_t k1,
+                       float* acc, float* m, float* l) {
+  constexpr int D = 64 * NC, V = D / 32;  // V: 32-byte vectors per head row
+  const int HG = H * G;
+  const int64_t row = (int64_t)Hkv * D;
+  __m256i qs8[kMaxGroup][V], qabs[kMaxGroup][V];
+  float qscale[kMaxGroup];
+  for (int g = 0; g < HG; ++g) {
+    alignas(32) int8_t q8[D];
+    qscale[g] = quantize_row(q + (int64_t)g * D, D, q8) * scale;
+    for (int c = 0; c < V; ++c) {
+      qs8[g][c] = _mm256_load_si256((const __m256i*)(q8 + 32 * c));
+      qabs[g][c] = _mm256_abs_epi8(qs8[g][c]);
+    }
+    m[g] = kNoMax;
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  int64_t slot[kChunk];
+  alignas(32) float sk[kMaxGroup][kChunk], sv[kMaxGroup][kChunk];
+  alignas(32) float sc[kMaxGroup][kChunk];  // scores, then probabilities times the value scale
+  for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
+    const int nc = (int)std::min<int64_t>(kChunk, k1 - c0);
+    const int nb = (nc + 7) / 8;  // 8-key blocks; keys nc.. of the last are padding
+    for (int j = 0; j < nb * 8; ++j) {
+      slot[j] = idx[c0 + (j < nc ? j : 0)];
+      for (int h = 0; h < H; ++h) {
+        sk[h][j] = ksc[slot[j] * Hkv + h];
+        sv[h][j] = j < nc ? vsc[slot[j] * Hkv + h] : 0.f;  // padding keys add nothing
+      }
+    }
+    for (int g = 0; g < HG; ++g) {
+      const int h = g / G;
+      const __m256 qsv = _mm256_set1_ps(qscale[g]);
+      __m256 mx = _mm256_set1_ps(kNoMax);
+      for (int blk = 0; blk < nb; ++blk) {
+        if (g == 0) {
+          for (int64_t j = c0 + 8 * blk, j1 = std::min<int64_t>(k1, j + 8); j < j1; ++j) {
+            if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
+            radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
+          }
+        }
+        __m256i a[8];
+        for (int j = 0; j < 8; ++j) {
+          const int8_t* kr = kbuf + slot[8 * blk + j] * row + (int64_t)h * D;
+          a[j] = _mm256_setzero_si256();
+          for (int c = 0; c < V; ++c) {
+            const __m256i k8 = _mm256_loadu_si256((const __m256i*)(kr + 32 * c));
+            a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(qabs[g][c], _mm256_sign_epi8(k8, qs8[g][c])), ones));
+          }
+        }
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
+        const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(radixlm::hsum8x8i(a)), qsv),
+                                       _mm256_load_ps(sk[h] + 8 * blk));
+        const __m256 sm = _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s, valid);
+        _mm256_store_ps(sc[g] + 8 * blk, sm);
+        mx = _mm256_max_ps(mx, sm);
+      }
+      const float bm = std::max(m[g], radixlm::hmax8(mx));
+      const float corr = expf(m[g] - bm);  // 0 on the first chunk
+      const __m256 vbm = _mm256_set1_ps(bm);
+      __m256 sum = _mm256_setzero_ps();
+      for (int blk = 0; blk < nb; ++blk) {
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
+        const __m256 p = _mm256_and_ps(radixlm::exp256(_mm256_sub_ps(_mm256_load_ps(sc[g] + 8 * blk), vbm)), valid);
+        sum = _mm256_add_ps(sum, p);
+        _mm256_store_ps(sc[g] + 8 * blk, _mm256_mul_ps(p, _mm256_load_ps(sv[h] + 8 * blk)));
+      }
+      l[g] = l[g] * corr + radixlm::hsum8(sum);
+      m[g] = bm;
+      if (corr != 1.f) {
+        const __m256 vc = _mm256_set1_ps(corr);
+        for (int c = 0; c < D / 8; ++c)
+          _mm256_storeu_ps(acc + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), vc));
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          const int8_t* vh = vbuf + (int64_t)h * D + d0;
+          float* a0 = acc + (int64_t)g0 * D + d0;
+          switch (std::min(4, (h + 1) * G - g0)) {
+            case 1: pv_dims16<1>(vh, row, slot, nc, sc + g0, a0, D); break;
+            case 2: pv_dims16<2>(vh, row, slot, nc, sc + g0, a0, D); break;
+            case 3: pv_dims16<3>(vh, row, slot, nc, sc + g0, a0, D); break;
+            default: pv_dims16<4>(vh, row, slot, nc, sc + g0, a0, D); break;
+          }
+        }
+  }
+}
+#endif  // RADIXLM_KV_INT8_AVX2
+
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
 template <typename T, int NC>
 void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* kbuf, const int8_t* vbuf, const float* ksc,
                            const float* vsc, const int64_t* indptr, const int64_t* indices, T* out,
@@ -264,7 +405,7 @@ int decode_int8_dispatch(const void* q, int64_t q_stride, const int8_t* k, const
   }
 #undef RADIXLM_DECODE_I8
 }
-#endif  // RADIXLM_KV_INT8
+#endif  // RADIXLM_KV_INT8 || RADIXLM_KV_INT8_AVX2
 
 }  // namespace
 
@@ -292,9 +433,9 @@ int radixlm_gather_dequant_int8(int dtype, const int8_t* q, const float* scale, 
   return 0;
 }
 
-// Head dims the int8 decode kernel is instantiated for (0 when built without AVX512-VNNI).
+// Head dims the int8 decode kernel is instantiated for (0 when built without AVX512-VNNI or AVX2).
 int radixlm_decode_int8_supports(int D) {
-#ifdef RADIXLM_KV_INT8
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
   return D == 64 || D == 128 || D == 256;
 #else
   (void)D;
@@ -307,7 +448,7 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
                                   const float* ks, const float* vs, const int64_t* indptr, const int64_t* indices,
                                   void* out, int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D,
                                   float scale, int nthreads) {
-#ifdef RADIXLM_KV_INT8
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
   if (dtype == 0)
     return decode_int8_dispatch<float>(q, q_stride, k, v, ks, vs, indptr, indices, out, out_stride, lse, B, Hq,
                                        Hkv, D, scale, nthreads);

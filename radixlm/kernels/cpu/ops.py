@@ -253,6 +253,32 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor, w_sca
     return out if rc == 0 else None
 
 
+def float_gemm_available() -> bool:
+    """Whether the library has the AVX2 + FMA float GEMM (float_gemm.cpp)."""
+    lib = load()
+    return lib is not None and lib.radixlm_float_gemm_available() == 1
+
+
+def float_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] (rows contiguous) times a weight packed by float_gemm.pack_weight (panels
+    [ceil(n / 16), K, 16] float32/bfloat16, n output columns) -> [M, n] in out_dtype; bias, if
+    given, out_dtype [n]. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
+        return None
+    if panels.dtype not in _DTYPE_CODE or not panels.is_contiguous() or panels.shape[1] != x.shape[1]:
+        return None
+    if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
+        return None
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=out_dtype)
+    rc = lib.radixlm_float_linear(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _DTYPE_CODE[panels.dtype],
+                                  _ptr(panels), n, _DTYPE_CODE[out_dtype], _ptr(bias) if bias is not None else None,
+                                  _ptr(out), n, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 class Int8Gemm:
     """A weight packed by int8_linear.pack_int8_weight bound to the native GEMM once, so that
     a call is one output allocation and one ctypes call: int8_linear() above re-checks and
