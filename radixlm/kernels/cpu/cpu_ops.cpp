@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2.h"
 #include "bf16.h"
 #include "decode_tasks.h"
 
@@ -222,11 +223,148 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
 }
 #endif
 
+#if defined(RADIXLM_AVX2)
+// Decode attention on AVX2 + FMA (no AVX-512: e.g. AMD Zen 3), float32 or bf16 pools. The
+// structure of kv_int8_ops.cpp's kernel: scores of a 128-key chunk first (8 keys at a time,
+// their lane sums reduced together by hsum8x8), one max / exp / sum pass per chunk, then
+// P @ V 16 dims at a time. Each key row is widened once for up to 4 query heads of its KV
+// head (bf16: a 16-bit shift per 8 values), and H KV heads share a task so that a pool row
+// is read whole and in order; rows are prefetched by slot index (see attend_range_bf16).
+constexpr int kChunkAvx2 = 128;
+
+// acc[GN][16 dims] (rows acc_stride apart) += sum over keys j < nc of w[g][j] * v row j.
+template <typename T, int GN>
+inline void pv_dims16_avx2(const T* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunkAvx2],
+                           float* acc, int64_t acc_stride) {
+  __m256 o[GN][2];
+  for (int g = 0; g < GN; ++g) {
+    o[g][0] = _mm256_loadu_ps(acc + g * acc_stride);
+    o[g][1] = _mm256_loadu_ps(acc + g * acc_stride + 8);
+  }
+  for (int j = 0; j < nc; ++j) {
+    const T* vr = vbuf + slot[j] * row;
+    const __m256 x0 = radixlm::load8(vr), x1 = radixlm::load8(vr + 8);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_broadcast_ss(&w[g][j]);
+      o[g][0] = _mm256_fmadd_ps(p, x0, o[g][0]);
+      o[g][1] = _mm256_fmadd_ps(p, x1, o[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm256_storeu_ps(acc + g * acc_stride, o[g][0]);
+    _mm256_storeu_ps(acc + g * acc_stride + 8, o[g][1]);
+  }
+}
+
+// Scores of GN query heads (qf: scaled float queries, D apart) against 8 keys (rows kr[j])
+// -> s[g][0..7].
+template <typename T, int D, int GN>
+inline void scores8_avx2(const float* qf, const T* const* kr, __m256* s) {
+  alignas(32) float part[GN][8][8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int c = 0; c < D / 8; ++c) {
+      const __m256 x = radixlm::load8(kr[j] + 8 * c);
+      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(x, _mm256_load_ps(qf + g * D + 8 * c), a[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm256_store_ps(part[g][j], a[g]);
+  }
+  for (int g = 0; g < GN; ++g) {
+    __m256 v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_load_ps(part[g][j]);
+    s[g] = radixlm::hsum8x8(v);
+  }
+}
+
+template <typename T, int D>
+void attend_range_avx2(const T* q, float scale, int G, int H, const T* kbuf, const T* vbuf, const int64_t* idx,
+                       int64_t k0, int64_t k1, int64_t row_stride, float* acc, float* m, float* l) {
+  static_assert(D % 16 == 0, "head_dim in 16s");
+  const int HG = H * G;
+  alignas(32) float qf[kMaxGroup * D];
+  for (int g = 0; g < HG; ++g) {
+    for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * D + d]) * scale;
+    m[g] = kNoMax;
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t row_bytes = (int64_t)H * D * sizeof(T);
+  int64_t slot[kChunkAvx2];
+  alignas(32) float sc[kMaxGroup][kChunkAvx2];  // scores, then probabilities
+  for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row_stride, row_bytes);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunkAvx2) {
+    const int nc = (int)std::min<int64_t>(kChunkAvx2, k1 - c0);
+    const int nb = (nc + 7) / 8;
+    for (int j = 0; j < nb * 8; ++j) slot[j] = idx[c0 + (j < nc ? j : 0)];
+    for (int blk = 0; blk < nb; ++blk) {
+      for (int64_t j = c0 + 8 * blk, j1 = std::min<int64_t>(k1, j + 8); j < j1; ++j) {
+        if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row_stride, row_bytes);
+        radixlm::prefetch_bytes(vbuf + idx[j] * row_stride, row_bytes);
+      }
+      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
+      for (int h = 0; h < H; ++h) {
+        const T* kr[8];
+        for (int j = 0; j < 8; ++j) kr[j] = kbuf + slot[8 * blk + j] * row_stride + (int64_t)h * D;
+        for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4) {
+          __m256 s[4];
+          const int gn = std::min(4, (h + 1) * G - g0);
+          switch (gn) {
+            case 1: scores8_avx2<T, D, 1>(qf + g0 * D, kr, s); break;
+            case 2: scores8_avx2<T, D, 2>(qf + g0 * D, kr, s); break;
+            case 3: scores8_avx2<T, D, 3>(qf + g0 * D, kr, s); break;
+            default: scores8_avx2<T, D, 4>(qf + g0 * D, kr, s); break;
+          }
+          for (int i = 0; i < gn; ++i)
+            _mm256_store_ps(sc[g0 + i] + 8 * blk, _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s[i], valid));
+        }
+      }
+    }
+    for (int g = 0; g < HG; ++g) {
+      __m256 mx = _mm256_set1_ps(kNoMax);
+      for (int blk = 0; blk < nb; ++blk) mx = _mm256_max_ps(mx, _mm256_load_ps(sc[g] + 8 * blk));
+      const float bm = std::max(m[g], radixlm::hmax8(mx));
+      const float corr = expf(m[g] - bm);  // 0 on the first chunk
+      const __m256 vbm = _mm256_set1_ps(bm);
+      __m256 sum = _mm256_setzero_ps();
+      for (int blk = 0; blk < nb; ++blk) {
+        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
+        const __m256 p = _mm256_and_ps(radixlm::exp256(_mm256_sub_ps(_mm256_load_ps(sc[g] + 8 * blk), vbm)), valid);
+        sum = _mm256_add_ps(sum, p);
+        _mm256_store_ps(sc[g] + 8 * blk, p);
+      }
+      l[g] = l[g] * corr + radixlm::hsum8(sum);
+      m[g] = bm;
+      if (corr != 1.f) {
+        const __m256 vc = _mm256_set1_ps(corr);
+        for (int c = 0; c < D / 8; ++c)
+          _mm256_storeu_ps(acc + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), vc));
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+          const T* vh = vbuf + (int64_t)h * D + d0;
+          float* a0 = acc + (int64_t)g0 * D + d0;
+          switch (std::min(4, (h + 1) * G - g0)) {
+            case 1: pv_dims16_avx2<T, 1>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
+            case 2: pv_dims16_avx2<T, 2>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
+            case 3: pv_dims16_avx2<T, 3>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
+            default: pv_dims16_avx2<T, 4>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
+          }
+        }
+  }
+}
+#endif  // RADIXLM_AVX2
+
 // Whether attend() runs H > 1 KV heads in one pass (else it loops over them).
 template <typename T, int D>
 constexpr bool multi_head_pass() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return std::is_same<T, uint16_t>::value && D % 32 == 0;
+#elif defined(RADIXLM_AVX2)
+  return D % 16 == 0;
 #else
   return false;
 #endif
@@ -239,6 +377,11 @@ inline void attend(const T* q, float scale, int G, int H, const T* kbuf, const T
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (multi_head_pass<T, D>()) {
     attend_range_bf16<D / 32>(q, scale, G, H, kbuf, vbuf, idx, k0, k1, row_stride, acc, m, l);
+    return;
+  }
+#elif defined(RADIXLM_AVX2)
+  if constexpr (multi_head_pass<T, D>()) {
+    attend_range_avx2<T, D>(q, scale, G, H, kbuf, vbuf, idx, k0, k1, row_stride, acc, m, l);
     return;
   }
 #endif
