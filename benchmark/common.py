@@ -85,6 +85,23 @@ def emit(result: dict, out_path: str | None) -> None:
             f.write(text + "\n")
 
 
+def add_quality_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--logits-check", action="store_true",
+                    help="also measure the radixlm mode's logits vs float32 (micro/logits_check.py: teacher-forced "
+                         "top-1 agreement and KL over 4 chat prompts x 32 decode steps) into radixlm.quality")
+
+
+def mode_quality(ours: dict, decode_steps: int = 32) -> dict:
+    """logits_check of the mode a radixlm result ran in (its dtype, quantization, KV cache
+    dtype and attention backend), summarized: the quality figure that sits next to its speed."""
+    sys.path.insert(0, os.path.join(BENCH_DIR, "micro"))
+    from logits_check import check
+    res = check(ours["dtype"], ours.get("quantization"), ours.get("kv_cache_dtype") or "auto",
+                ours.get("attention_backend") or "cpu", decode_steps, kv_baseline=False)
+    return {"reference": "float32, torch_native attention, model-dtype KV cache", "mode": res["mode"],
+            "decode_steps": res["decode_steps"], **res["summary"]}
+
+
 # ---------------------------------------------------------------------------- peers
 def add_peer_args(ap: argparse.ArgumentParser, choices: tuple[str, ...] = PEER_NAMES) -> None:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME[,NAME...]",

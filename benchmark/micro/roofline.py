@@ -2,8 +2,8 @@
 multiply-accumulates per second in each instruction form radixlm's kernels use (fp32 FMA on
 256/512-bit vectors, int8 dots as the AVX2 sign trick or AVX512-VNNI, AVX512-BF16 dots), and
 DRAM read bandwidth with 1 and all threads; then what the GEMMs of a decode step reach
-against them (torch fp32/bf16, radixlm's int8 and float kernels) at batch 1 and 32. Prints
-JSON.
+against them (torch fp32/bf16, radixlm's int8 and float kernels) at batch 1 and 32, and the
+KV cache's bytes per token of the default model in each KV dtype. Prints JSON.
 
     python benchmark/micro/roofline.py [--seconds 0.3] [--repeats 5] [--out F.json]
 
@@ -162,6 +162,20 @@ def gemm_rates(repeats: int) -> dict:
     return out
 
 
+def kv_bytes_per_token() -> dict:
+    """KV cache bytes per token of the default model (all layers, K and V) in each KV dtype."""
+    import torch
+
+    from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+    from radixlm.srt.weights.loader import load_model_config, resolve_model_path
+    cfg = load_model_config(resolve_model_path(None))
+    dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    return {"model": f"{cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {cfg.head_dim}",
+            "float32": MHATokenToKVPool.bytes_per_token(*dims, torch.float32),
+            "bfloat16": MHATokenToKVPool.bytes_per_token(*dims, torch.bfloat16),
+            "int8": MHATokenToKVPool.bytes_per_token(*dims, torch.bfloat16, "int8")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=0.3)
@@ -172,7 +186,8 @@ def main() -> None:
     cores = os.cpu_count() or 1
     lib = build()
     res = {"benchmark": "roofline", "cores": cores, "peaks": peaks(lib, args.seconds, args.repeats, cores),
-           "dram": dram(lib, args.repeats, cores, args.dram_mib), "gemm": gemm_rates(args.repeats)}
+           "dram": dram(lib, args.repeats, cores, args.dram_mib), "gemm": gemm_rates(args.repeats),
+           "kv_bytes_per_token": kv_bytes_per_token()}
     text = json.dumps({**res, "machine": machine_info()}, indent=2)
     print(text)
     if args.out:
