@@ -137,16 +137,25 @@ def setup_commands(peer: str, venv: str | None = None) -> list[str]:
                 f"{venv}/bin/pip uninstall -y torchvision torchaudio torchcodec"]
     if peer == "llamacpp":
         return [f"python -m venv {venv}",
-                'CMAKE_ARGS="' + LLAMACPP_CMAKE_ARGS + '" CFLAGS="' + LLAMACPP_CFLAGS + '" CXXFLAGS="'
+                'CMAKE_ARGS="' + llamacpp_cmake_args() + '" CFLAGS="' + LLAMACPP_CFLAGS + '" CXXFLAGS="'
                 + LLAMACPP_CFLAGS + f'" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 {venv}/bin/pip install '
                 "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36"]
     return []
 
 
-LLAMACPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                       "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
-                       "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                       "-DLLAMA_CURL=OFF")
+def llamacpp_cmake_args() -> str:
+    """llama.cpp's build flags for this CPU: AVX-512 (VNNI/BF16/VBMI) where it has them, else
+    AVX2 + FMA; never AMX, never tuned to the build machine beyond that."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            avx512 = " avx512f " in f.read()
+    except OSError:
+        avx512 = False
+    x512 = "ON" if avx512 else "OFF"
+    return ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+            f"-DGGML_AVX512={x512} -DGGML_AVX512_VBMI={x512} -DGGML_AVX512_VNNI={x512} -DGGML_AVX512_BF16={x512} "
+            "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF "
+            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF")
 LLAMACPP_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
