@@ -101,6 +101,8 @@ void float_linear(const TI* x, int64_t x_stride, int64_t M, int K, const TW* pac
     xs = x_stride;
   } else {
     xf.resize((size_t)M * K);
+    // A prefill's activations are MBs: widened in parallel (a decode batch's on one thread).
+#pragma omp parallel for num_threads(nthreads) if (M * K >= (int64_t)1 << 17)
     for (int64_t m = 0; m < M; ++m)
       for (int k = 0; k < K; ++k) xf[m * K + k] = to_f(x[m * x_stride + k]);
     xp = xf.data();
