@@ -230,31 +230,7 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
 // P @ V 16 dims at a time. Each key row is widened once for up to 4 query heads of its KV
 // head (bf16: a 16-bit shift per 8 values), and H KV heads share a task so that a pool row
 // is read whole and in order; rows are prefetched by slot index (see attend_range_bf16).
-constexpr int kChunkAvx2 = 128;
-
-// acc[GN][16 dims] (rows acc_stride apart) += sum over keys j < nc of w[g][j] * v row j.
-template <typename T, int GN>
-inline void pv_dims16_avx2(const T* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunkAvx2],
-                           float* acc, int64_t acc_stride) {
-  __m256 o[GN][2];
-  for (int g = 0; g < GN; ++g) {
-    o[g][0] = _mm256_loadu_ps(acc + g * acc_stride);
-    o[g][1] = _mm256_loadu_ps(acc + g * acc_stride + 8);
-  }
-  for (int j = 0; j < nc; ++j) {
-    const T* vr = vbuf + slot[j] * row;
-    const __m256 x0 = radixlm::load8(vr), x1 = radixlm::load8(vr + 8);
-    for (int g = 0; g < GN; ++g) {
-      const __m256 p = _mm256_broadcast_ss(&w[g][j]);
-      o[g][0] = _mm256_fmadd_ps(p, x0, o[g][0]);
-      o[g][1] = _mm256_fmadd_ps(p, x1, o[g][1]);
-    }
-  }
-  for (int g = 0; g < GN; ++g) {
-    _mm256_storeu_ps(acc + g * acc_stride, o[g][0]);
-    _mm256_storeu_ps(acc + g * acc_stride + 8, o[g][1]);
-  }
-}
+using radixlm::kChunkAvx2;
 
 // Scores of GN query heads (qf: scaled float queries, D apart) against 8 keys (rows kr[j])
 // -> s[g][0..7].
@@ -289,7 +265,6 @@ void attend_range_avx2(const T* q, float scale, int G, int H, const T* kbuf, con
     l[g] = 0.f;
     for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
   }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t row_bytes = (int64_t)H * D * sizeof(T);
   int64_t slot[kChunkAvx2];
   alignas(32) float sc[kMaxGroup][kChunkAvx2];  // scores, then probabilities
@@ -303,7 +278,7 @@ void attend_range_avx2(const T* q, float scale, int G, int H, const T* kbuf, con
         if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row_stride, row_bytes);
         radixlm::prefetch_bytes(vbuf + idx[j] * row_stride, row_bytes);
       }
-      const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
+      const __m256 valid = radixlm::valid8(nc, blk);
       for (int h = 0; h < H; ++h) {
         const T* kr[8];
         for (int j = 0; j < 8; ++j) kr[j] = kbuf + slot[8 * blk + j] * row_stride + (int64_t)h * D;
@@ -321,39 +296,8 @@ void attend_range_avx2(const T* q, float scale, int G, int H, const T* kbuf, con
         }
       }
     }
-    for (int g = 0; g < HG; ++g) {
-      __m256 mx = _mm256_set1_ps(kNoMax);
-      for (int blk = 0; blk < nb; ++blk) mx = _mm256_max_ps(mx, _mm256_load_ps(sc[g] + 8 * blk));
-      const float bm = std::max(m[g], radixlm::hmax8(mx));
-      const float corr = expf(m[g] - bm);  // 0 on the first chunk
-      const __m256 vbm = _mm256_set1_ps(bm);
-      __m256 sum = _mm256_setzero_ps();
-      for (int blk = 0; blk < nb; ++blk) {
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
-        const __m256 p = _mm256_and_ps(radixlm::exp256(_mm256_sub_ps(_mm256_load_ps(sc[g] + 8 * blk), vbm)), valid);
-        sum = _mm256_add_ps(sum, p);
-        _mm256_store_ps(sc[g] + 8 * blk, p);
-      }
-      l[g] = l[g] * corr + radixlm::hsum8(sum);
-      m[g] = bm;
-      if (corr != 1.f) {
-        const __m256 vc = _mm256_set1_ps(corr);
-        for (int c = 0; c < D / 8; ++c)
-          _mm256_storeu_ps(acc + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), vc));
-      }
-    }
-    for (int h = 0; h < H; ++h)
-      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
-        for (int d0 = 0; d0 < D; d0 += 16) {
-          const T* vh = vbuf + (int64_t)h * D + d0;
-          float* a0 = acc + (int64_t)g0 * D + d0;
-          switch (std::min(4, (h + 1) * G - g0)) {
-            case 1: pv_dims16_avx2<T, 1>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
-            case 2: pv_dims16_avx2<T, 2>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
-            case 3: pv_dims16_avx2<T, 3>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
-            default: pv_dims16_avx2<T, 4>(vh, row_stride, slot, nc, sc + g0, a0, D); break;
-          }
-        }
+    for (int g = 0; g < HG; ++g) radixlm::softmax_chunk(sc[g], nullptr, nc, D, m[g], l[g], acc + g * D);
+    radixlm::pv_chunk<T, D>(vbuf, row_stride, slot, nc, sc, G, H, acc);
   }
 }
 #endif  // RADIXLM_AVX2

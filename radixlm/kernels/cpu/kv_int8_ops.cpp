@@ -20,7 +20,8 @@
 // On AVX2 + FMA without AVX-512 (RADIXLM_KV_INT8_AVX2) the same scheme in 8-lane vectors:
 // q . k by the sign trick of quant_ops.cpp (vpmaddubsw of |q| and k with q's sign, then
 // vpmaddwd against ones: exact, no +128 correction needed), 8 keys' sums reduced at once,
-// P @ V in float over 16 dims at a time for up to 4 query heads.
+// P @ V in float over 16 dims at a time for up to 4 query heads (decode_tasks.h's AVX2
+// helpers, shared with the float/bf16 kernel).
 
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -243,33 +244,7 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
 #endif  // RADIXLM_KV_INT8
 
 #ifdef RADIXLM_KV_INT8_AVX2
-constexpr int kChunk = 128;  // keys per softmax step, as the AVX-512 kernel
-
-// acc[GN][16 dims at d0] += sum over the chunk's keys j < nc of w[g][j] * value row j's dims
-// d0..d0+15 (int8, widened once per key for all GN heads).
-template <int GN>
-inline void pv_dims16(const int8_t* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunk],
-                      float* acc, int64_t acc_stride) {
-  __m256 o[GN][2];
-  for (int g = 0; g < GN; ++g) {
-    o[g][0] = _mm256_loadu_ps(acc + g * acc_stride);
-    o[g][1] = _mm256_loadu_ps(acc + g * acc_stride + 8);
-  }
-  for (int j = 0; j < nc; ++j) {
-    const __m128i b = _mm_loadu_si128((const __m128i*)(vbuf + slot[j] * row));
-    const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-    for (int g = 0; g < GN; ++g) {
-      const __m256 p = _mm256_broadcast_ss(&w[g][j]);
-      o[g][0] = _mm256_fmadd_ps(p, x0, o[g][0]);
-      o[g][1] = _mm256_fmadd_ps(p, x1, o[g][1]);
-    }
-  }
-  for (int g = 0; g < GN; ++g) {
-    _mm256_storeu_ps(acc + g * acc_stride, o[g][0]);
-    _mm256_storeu_ps(acc + g * acc_stride + 8, o[g][1]);
-  }
-}
+using radixlm::kChunkAvx2;
 
 // attend_range_int8 of the AVX-512 kernel, same contract and arithmetic, in 8-key blocks.
 template <typename T, int NC>  // D = 64 * NC
@@ -293,13 +268,12 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
     for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  int64_t slot[kChunk];
-  alignas(32) float sk[kMaxGroup][kChunk], sv[kMaxGroup][kChunk];
-  alignas(32) float sc[kMaxGroup][kChunk];  // scores, then probabilities times the value scale
+  int64_t slot[kChunkAvx2];
+  alignas(32) float sk[kMaxGroup][kChunkAvx2], sv[kMaxGroup][kChunkAvx2];
+  alignas(32) float sc[kMaxGroup][kChunkAvx2];  // scores, then probabilities times the value scale
   for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
-  for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
-    const int nc = (int)std::min<int64_t>(kChunk, k1 - c0);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunkAvx2) {
+    const int nc = (int)std::min<int64_t>(kChunkAvx2, k1 - c0);
     const int nb = (nc + 7) / 8;  // 8-key blocks; keys nc.. of the last are padding
     for (int j = 0; j < nb * 8; ++j) {
       slot[j] = idx[c0 + (j < nc ? j : 0)];
@@ -311,7 +285,6 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
     for (int g = 0; g < HG; ++g) {
       const int h = g / G;
       const __m256 qsv = _mm256_set1_ps(qscale[g]);
-      __m256 mx = _mm256_set1_ps(kNoMax);
       for (int blk = 0; blk < nb; ++blk) {
         if (g == 0) {
           for (int64_t j = c0 + 8 * blk, j1 = std::min<int64_t>(k1, j + 8); j < j1; ++j) {
@@ -329,43 +302,13 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
                 _mm256_maddubs_epi16(qabs[g][c], _mm256_sign_epi8(k8, qs8[g][c])), ones));
           }
         }
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
         const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(radixlm::hsum8x8i(a)), qsv),
                                        _mm256_load_ps(sk[h] + 8 * blk));
-        const __m256 sm = _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s, valid);
-        _mm256_store_ps(sc[g] + 8 * blk, sm);
-        mx = _mm256_max_ps(mx, sm);
+        _mm256_store_ps(sc[g] + 8 * blk, _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s, radixlm::valid8(nc, blk)));
       }
-      const float bm = std::max(m[g], radixlm::hmax8(mx));
-      const float corr = expf(m[g] - bm);  // 0 on the first chunk
-      const __m256 vbm = _mm256_set1_ps(bm);
-      __m256 sum = _mm256_setzero_ps();
-      for (int blk = 0; blk < nb; ++blk) {
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), lane));
-        const __m256 p = _mm256_and_ps(radixlm::exp256(_mm256_sub_ps(_mm256_load_ps(sc[g] + 8 * blk), vbm)), valid);
-        sum = _mm256_add_ps(sum, p);
-        _mm256_store_ps(sc[g] + 8 * blk, _mm256_mul_ps(p, _mm256_load_ps(sv[h] + 8 * blk)));
-      }
-      l[g] = l[g] * corr + radixlm::hsum8(sum);
-      m[g] = bm;
-      if (corr != 1.f) {
-        const __m256 vc = _mm256_set1_ps(corr);
-        for (int c = 0; c < D / 8; ++c)
-          _mm256_storeu_ps(acc + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), vc));
-      }
+      radixlm::softmax_chunk(sc[g], sv[h], nc, D, m[g], l[g], acc + g * D);
     }
-    for (int h = 0; h < H; ++h)
-      for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
-        for (int d0 = 0; d0 < D; d0 += 16) {
-          const int8_t* vh = vbuf + (int64_t)h * D + d0;
-          float* a0 = acc + (int64_t)g0 * D + d0;
-          switch (std::min(4, (h + 1) * G - g0)) {
-            case 1: pv_dims16<1>(vh, row, slot, nc, sc + g0, a0, D); break;
-            case 2: pv_dims16<2>(vh, row, slot, nc, sc + g0, a0, D); break;
-            case 3: pv_dims16<3>(vh, row, slot, nc, sc + g0, a0, D); break;
-            default: pv_dims16<4>(vh, row, slot, nc, sc + g0, a0, D); break;
-          }
-        }
+    radixlm::pv_chunk<int8_t, D>(vbuf, row, slot, nc, sc, G, H, acc);
   }
 }
 #endif  // RADIXLM_KV_INT8_AVX2
