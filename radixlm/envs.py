@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "num_threads", "cache_dir",
-           "CHILD_ENV"]
+__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "float_gemm_forced", "num_threads",
+           "cache_dir", "CHILD_ENV"]
 
 # The scheduler and detokenizer never reach the Hugging Face Hub: a serving machine may be
 # offline, and a silent download of another tokenizer would be worse than an error. (Loading
@@ -34,6 +34,13 @@ def hugepages_enabled() -> bool:
 def mkldnn_pack_enabled() -> bool:
     """RADIXLM_MKLDNN_PACK=0: no oneDNN-prepacked bf16 linear weights."""
     return _on("RADIXLM_MKLDNN_PACK")
+
+
+def float_gemm_forced() -> bool | None:
+    """RADIXLM_FLOAT_GEMM=0: never the native float GEMM; =1: on any AVX2 CPU; unset (None):
+    where it was measured to win."""
+    value = os.environ.get("RADIXLM_FLOAT_GEMM", "")
+    return False if value == "0" else True if value == "1" else None
 
 
 def num_threads() -> int | None:
