@@ -97,3 +97,11 @@ def test_importing_radixlm_changes_no_environment():
             "assert not changed, changed\n")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_radixlm_environment_flags_are_read_in_one_module():
+    """RADIXLM_* variables are read in radixlm/envs.py only (one list of every flag)."""
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in ROOT.rglob("*.py") if p.name != "envs.py"
+           for i, line in enumerate(p.read_text().splitlines(), 1)
+           if re.search(r"(environ|getenv)\b.*RADIXLM_", line)]
+    assert not bad, "RADIXLM_* read outside radixlm/envs.py: " + ", ".join(bad)
