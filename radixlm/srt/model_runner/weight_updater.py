@@ -57,8 +57,8 @@ class WeightUpdater:
                                  f"the model has {tuple(want)}")
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"weight {name!r} contains NaN or infinite values")
-            if shard is not None:
-                tensor = tensor.narrow(shard.dim, shard.start, shard.stop - shard.start)
+            if shard is not None:  # a copy: the whole tensor (a received buffer) can be freed
+                tensor = tensor.narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
             plan.append((dest, tensor))
         return plan
 
