@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -57,16 +57,28 @@ def check_update_request(names: list, dtypes: list, shapes: list) -> None:
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout: datetime.timedelta | None = None) -> Any:
     """A process group outside the default one (both sides of the weight sync call this)."""
+    from urllib.parse import urlparse
+
     from torch.distributed import distributed_c10d as c10d
 
     timeout = timeout or datetime.timedelta(minutes=30)
-    store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout)
+    with gloo_interface_for(urlparse(init_method).hostname or ""):
+        store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        store = c10d.PrefixStore(group_name, store)
+        group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                                  group_name=group_name, timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == global rank
     return group
+
+
+def broadcast_weights(group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The trainer's side of one update: broadcast each tensor, in the order the engine's
+    update_weights_from_distributed request lists them (names, dtypes, shapes)."""
+    import torch.distributed as dist
+
+    for _, tensor in named_tensors:
+        dist.broadcast(tensor.contiguous(), src=0, group=group)
 
 
 class WeightSyncGroups:
@@ -90,9 +102,8 @@ class WeightSyncGroups:
         if not 0 < rank < world_size:
             raise ValueError(f"rank_offset {rank_offset} + TP rank {self.tp_rank} = {rank} is not a rank in "
                              f"[1, {world_size}) (rank 0 is the trainer)")
-        with gloo_interface_for(master_address):
-            self.groups[group_name] = init_custom_process_group(
-                backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, self.timeout)
+        self.groups[group_name] = init_custom_process_group(
+            backend, f"tcp://{master_address}:{master_port}", world_size, rank, group_name, self.timeout)
         logger.info("joined weight update group %s as rank %d of %d", group_name, rank, world_size)
         return f"joined weight update group {group_name!r} as rank {rank} of {world_size}"
 
