@@ -69,6 +69,10 @@ def test_layout_and_capacity(tp2):
 
 
 def test_greedy_identical_to_tp1(tp1, tp2):
+    check_greedy_identical(tp1, tp2)
+
+
+def check_greedy_identical(tp1: Engine, tp2: Engine) -> None:
     """Prefill, chunked prefill (prompts past 32 tokens), decode, logprobs (prompt and output,
     top 3), n > 1 and streaming: the same tokens as tp 1."""
     prompts = [random_prompt(1, 7), random_prompt(2, 95), random_prompt(3, 33), random_prompt(4, 64)]
@@ -100,6 +104,10 @@ def test_sampling_keeps_ranks_in_step(tp1, tp2):
 
 
 def test_abort_and_retraction_storm(tp1, tp2):
+    check_storm(tp1, tp2)
+
+
+def check_storm(tp1: Engine, tp2: Engine) -> None:
     """Requests on a small pool (retractions), random aborts, abort_all bursts and a pause
     (retract) in the middle, with integrity checked after every step on every rank: survivors
     equal the undisturbed tp 1 run, aborted requests a prefix of it."""
@@ -167,16 +175,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_trainer(rounds: list, world_size: int, group: str, tmp_path) -> tuple[subprocess.Popen, int]:
+def _start_trainer(rounds: list, world_size: int, group: str, tmp_path, backend: str = "gloo",
+                   device: str = "cpu") -> tuple[subprocess.Popen, int]:
     path = tmp_path / f"{group}.pt"
     torch.save(rounds, path)
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "test.integration.tp_trainer", f"tcp://127.0.0.1:{port}",
-                             str(world_size), group, str(path)], stdout=subprocess.PIPE, text=True)
+                             str(world_size), group, str(path), backend, device], stdout=subprocess.PIPE, text=True)
     return proc, port
 
 
 def test_trainer_broadcast_reaches_every_rank(tp1, tp2, tiny_llama_tp_dir, tmp_path):
+    check_trainer_broadcast(tp1, tp2, tiny_llama_tp_dir, tmp_path)
+
+
+def check_trainer_broadcast(tp1: Engine, tp2: Engine, model_dir: str, tmp_path, backend: str = "gloo",
+                            device: str = "cpu") -> None:
     """A trainer process joins the engine's ranks in a gloo group and broadcasts new weights;
     each rank keeps its shard. The next generation is the tp 1 engine's after the same update
     (through update_weights_from_tensor), the old prefix cache is not reused, the getter
@@ -185,12 +199,12 @@ def test_trainer_broadcast_reaches_every_rank(tp1, tp2, tiny_llama_tp_dir, tmp_p
     params = {"max_new_tokens": 16, **GREEDY}
     before = tp2.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
     assert tp2.generate(input_ids=prompt, sampling_params=params)["meta_info"]["cached_tokens"] > 0
-    new = _perturbed(tiny_llama_tp_dir, 1)
+    new = _perturbed(model_dir, 1)
     bad = {"model.layers.0.self_attn.v_proj.weight": torch.zeros(3, 3),
            "model.layers.1.input_layernorm.weight": torch.ones(144)}
-    trainer, port = _start_trainer([list(new.items()), list(bad.items())], 3, "wug", tmp_path)
+    trainer, port = _start_trainer([list(new.items()), list(bad.items())], 3, "wug", tmp_path, backend, device)
     try:
-        joined = tp2.init_weights_update_group("127.0.0.1", port, 1, 3, "wug", "gloo")
+        joined = tp2.init_weights_update_group("127.0.0.1", port, 1, 3, "wug", backend)
         assert joined["success"]
         tp2.pause_generation("abort")  # the RL sequence: pause, update, continue
         res = tp2.update_weights_from_distributed(list(new), [str(t.dtype) for t in new.values()],
@@ -220,7 +234,7 @@ def test_trainer_broadcast_reaches_every_rank(tp1, tp2, tiny_llama_tp_dir, tmp_p
             trainer.kill()
             trainer.wait()
     # update_weights_from_tensor under TP: full tensors in, each rank keeps its shard
-    more = _perturbed(tiny_llama_tp_dir, 2)
+    more = _perturbed(model_dir, 2)
     for eng in (tp1, tp2):
         eng.update_weights_from_tensor(more)
     assert tp2.generate(input_ids=prompt, sampling_params=params)["output_ids"] == \
@@ -234,6 +248,10 @@ def test_trainer_broadcast_reaches_every_rank(tp1, tp2, tiny_llama_tp_dir, tmp_p
 
 
 def test_a_dead_rank_takes_the_engine_down(tp2):
+    check_dead_rank(tp2)
+
+
+def check_dead_rank(tp2: Engine) -> None:
     """Rank 1 killed mid-stream: the caller gets a 500 abort naming the rank, rank 0 stops too
     (it does not wait for its peer), and new requests are refused. Runs last: it kills tp2."""
     stream = tp2.generate(input_ids=random_prompt(9, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
@@ -249,3 +267,57 @@ def test_a_dead_rank_takes_the_engine_down(tp2):
     assert tp2.procs.procs["scheduler"].poll() is not None, "rank 0 outlived its peer"
     with pytest.raises(RuntimeError, match="down"):
         tp2.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+
+
+def test_http_weight_sync_and_rank_death(tiny_llama_tp_dir, tmp_path):
+    """`serve --tp-size 2`: SGLang's weight-sync routes with a trainer process, the gathered
+    getter and a 400 for a malformed request; then a killed rank makes the server exit non-zero
+    naming the rank, with its children and IPC directory gone."""
+    import httpx
+
+    from test.integration.test_http_server import ServerProcess
+    srv = ServerProcess(tiny_llama_tp_dir, str(tmp_path / "server.log"), "--tp-size", "2")
+    trainer = None
+    try:
+        srv.wait_ready()
+        http = httpx.Client(base_url=srv.base, timeout=120.0)
+        prompt = random_prompt(70, 30)
+
+        def generate() -> dict:
+            r = http.post("/generate", json={"input_ids": prompt, "return_logprob": True,
+                                             "sampling_params": {"max_new_tokens": 8, **GREEDY}})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        before = generate()
+        new = _perturbed(tiny_llama_tp_dir, 3)
+        trainer, port = _start_trainer([list(new.items())], 3, "wug_http", tmp_path)
+        r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                          "rank_offset": 1, "world_size": 3,
+                                                          "group_name": "wug_http", "backend": "gloo"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        bad = http.post("/update_weights_from_distributed", json={"names": ["model.norm.weight"], "dtypes": [],
+                                                                  "shapes": [[144]], "group_name": "wug_http"})
+        assert bad.status_code == 400 and "same length" in bad.text
+        r = http.post("/update_weights_from_distributed", json={
+            "names": list(new), "dtypes": ["float32"] * len(new), "shapes": [list(t.shape) for t in new.values()],
+            "group_name": "wug_http", "weight_version": "step-1"})
+        assert r.status_code == 200 and r.json()["success"] and r.json()["weight_version"] == "step-1", r.text
+        assert trainer.wait(60) == 0
+        after = generate()
+        assert after["meta_info"]["weight_version"] == "step-1" and after["meta_info"]["cached_tokens"] == 0
+        moved = [abs(a[0] - b[0]) for a, b in zip(after["meta_info"]["output_token_logprobs"],
+                                                  before["meta_info"]["output_token_logprobs"])]
+        assert after["output_ids"] != before["output_ids"] or max(moved) > 0.01
+        got = http.post("/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 2})
+        torch.testing.assert_close(torch.tensor(got.json()), new["model.embed_tokens.weight"][:2], atol=1e-6, rtol=0)
+        assert http.post("/destroy_weights_update_group", json={"group_name": "wug_http"}).json()["success"]
+
+        os.kill(srv.runtime["child_pids"]["scheduler_tp1"], signal.SIGKILL)
+        assert srv.proc.wait(30) != 0
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        srv.stop()  # asserts: every child gone, IPC dir removed
+    assert "scheduler_tp1 process (tensor-parallel rank 1) exited unexpectedly" in srv.log()

@@ -58,10 +58,12 @@ class SingleRank:
 
 
 class TorchComm:
-    """TPComm over a torch.distributed process group."""
+    """TPComm over a torch.distributed process group. `cpu_group` (gloo; the model group itself
+    when that is gloo) carries check_same, so the check never makes the host wait for a device."""
 
-    def __init__(self, group: Any, rank: int, size: int) -> None:
+    def __init__(self, group: Any, rank: int, size: int, cpu_group: Any = None) -> None:
         self.group = group
+        self.cpu_group = cpu_group if cpu_group is not None else group
         self.rank = rank
         self.size = size
 
@@ -79,21 +81,13 @@ class TorchComm:
 
     def check_same(self, values: list[int], what: str) -> None:
         import torch.distributed as dist
-        mine = torch.tensor(values + [-v for v in values], dtype=torch.int64)
-        dev = _group_device(self.group)
-        both = mine.to(dev)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        both = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.cpu_group)
         n = len(values)
-        hi, lo = both[:n].cpu(), -both[n:].cpu()
+        hi, lo = both[:n], -both[n:]
         if not torch.equal(hi, lo):
             raise RuntimeError(f"tensor-parallel ranks diverged: {what} differ between ranks "
                                f"(rank {self.rank} has {values}; across ranks min {lo.tolist()} max {hi.tolist()})")
-
-
-def _group_device(group: Any) -> torch.device:
-    import torch.distributed as dist
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class ControlChannel:

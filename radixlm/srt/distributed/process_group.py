@@ -53,16 +53,21 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str, timeout_s
 
     backend = "gloo"
     if device == "cuda":
+        # RADIXLM_TP_BACKEND=gloo runs the ranks' collectives through host memory, which lets
+        # ranks share one GPU (NCCL refuses two ranks on one device): for testing on one GPU.
+        backend = os.environ.get("RADIXLM_TP_BACKEND", "nccl")
         count = torch.cuda.device_count()
-        if count < size:
+        if backend == "nccl" and count < size:
             raise ValueError(f"tp_size {size} needs {size} GPUs (one per rank); {count} visible")
-        torch.cuda.set_device(rank)
-        backend = "nccl"
+        torch.cuda.set_device(rank % count)
     timeout = datetime.timedelta(seconds=timeout_s)
     with gloo_interface_for("127.0.0.1"):
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
-    return TPGroup(rank, size, TorchComm(dist.group.WORLD, rank, size), ControlChannel(control, rank, size), backend)
+        # the batch check runs on the forward thread: its own group, never the control one
+        checks = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+    return TPGroup(rank, size, TorchComm(dist.group.WORLD, rank, size, checks), ControlChannel(control, rank, size),
+                   backend)
 
 
 def threads_per_rank(tp_size: int, requested: int | None, available: int) -> int:
