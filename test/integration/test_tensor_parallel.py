@@ -10,6 +10,7 @@ token identity a property of the model, not luck."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -24,9 +25,10 @@ from radixlm import Engine
 from test.engine_checks import assert_idle_and_empty, random_prompt
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
-# A small pool (retractions in the storm), small chunks (chunked prefill), integrity after every step.
+# A small pool (retractions in the storm), small chunks (chunked prefill), a host KV tier
+# (HiCache: its copies are acked only once done on every rank), integrity after every step.
 ARGS = dict(dtype="float32", max_total_tokens=900, max_running_requests=24, chunked_prefill_size=32,
-            schedule_conservativeness=0.05, debug_check_integrity=True)
+            schedule_conservativeness=0.05, enable_hierarchical_cache=True, debug_check_integrity=True)
 LOGPROB_TOL = 1e-4
 
 
@@ -93,6 +95,21 @@ def check_greedy_identical(tp1: Engine, tp2: Engine) -> None:
     assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == ref[1]["output_ids"]
 
 
+def test_structured_output_identical_to_tp1(tp1, tp2):
+    """Grammar requests leave the queue only once compiled on every rank; each rank masks and
+    advances its own matcher the same way."""
+    pytest.importorskip("xgrammar")
+    from test.integration.test_structured_engine import REGEXES, SCHEMA
+    params = [{"regex": REGEXES[1], "max_new_tokens": 16, "temperature": 0},
+              {"json_schema": json.dumps(SCHEMA), "max_new_tokens": 80, "temperature": 0}]
+    prompts = [random_prompt(30, 9), random_prompt(31, 40)]
+    ref, got = tp1.generate(input_ids=prompts, sampling_params=params), tp2.generate(input_ids=prompts,
+                                                                                     sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in ref]
+    json.loads(got[1]["text"])
+    assert tp2.get_server_info()["num_grammar_queue_reqs"] == 0
+
+
 def test_sampling_keeps_ranks_in_step(tp1, tp2):
     """Sampled tokens come from the same generator state and the same gathered logits on every
     rank, so the ranks never diverge (a diverged batch would stop the engine: the runner
@@ -108,9 +125,9 @@ def test_abort_and_retraction_storm(tp1, tp2):
 
 
 def check_storm(tp1: Engine, tp2: Engine) -> None:
-    """Requests on a small pool (retractions), random aborts, abort_all bursts and a pause
-    (retract) in the middle, with integrity checked after every step on every rank: survivors
-    equal the undisturbed tp 1 run, aborted requests a prefix of it."""
+    """Requests on a small pool (retractions, HiCache backing up and loading back), random
+    aborts, pauses (in_place, retract) and an abort_all, with integrity checked after every step
+    on every rank: survivors equal the undisturbed tp 1 run, aborted requests a prefix of it."""
     rng = random.Random(5)
     specs = [(f"s{i}", random_prompt(200 + i % 20, rng.randrange(5, 40)), rng.randrange(10, 60),
               3 if i % 11 == 0 else 1) for i in range(40)]
@@ -131,8 +148,8 @@ def check_storm(tp1: Engine, tp2: Engine) -> None:
             await asyncio.sleep(0.02)
         for k in range(16):
             await asyncio.sleep(rng.random() * 0.1)
-            if k == 8:
-                await loop.run_in_executor(None, tp2.pause_generation, "retract")
+            if k in (4, 8):
+                await loop.run_in_executor(None, tp2.pause_generation, "retract" if k == 8 else "in_place")
                 await asyncio.sleep(0.1)
                 await loop.run_in_executor(None, tp2.continue_generation)
             else:
@@ -155,6 +172,7 @@ def check_storm(tp1: Engine, tp2: Engine) -> None:
         else:
             assert ids == ref, rid
     assert aborted > 0 and len(results) - aborted > 0
+    assert tp2.get_server_info()["hicache"]["backed_up_tokens_total"] > 0  # acks agreed across ranks
     assert_idle_and_empty(tp2)
 
 
