@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 
 
-class SharedClock:
+class TPRankSync:
     """Rank 0's clock as broadcast with the current iteration's messages, and agreement on
     thread-timed completions (the RankSync of tensor-parallel ranks, rank_sync.py)."""
 
@@ -73,7 +73,7 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
                           send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids))
     if tp is not None and tp.size > 1:
-        ranks = SharedClock(tp.control)
+        ranks = TPRankSync(tp.control)
         scheduler.ranks = scheduler.grammar_queue.ranks = ranks
         if controller is not None:
             controller.ranks = ranks

@@ -41,7 +41,9 @@ def tp1(tiny_llama_tp_dir):
 
 @pytest.fixture(scope="module")
 def tp2(tiny_llama_tp_dir):
-    eng = Engine(model_path=tiny_llama_tp_dir, tp_size=2, **ARGS)
+    # overlap on: the forward thread's collectives (model group) run beside the scheduler
+    # thread's (control group)
+    eng = Engine(model_path=tiny_llama_tp_dir, tp_size=2, enable_overlap_schedule=True, **ARGS)
     yield eng
     eng.shutdown()
 
@@ -66,7 +68,7 @@ def _same(a: dict, b: dict) -> None:
 
 def test_layout_and_capacity(tp2):
     info = tp2.get_server_info()
-    assert info["tp_size"] == 2 and info["max_total_num_tokens"] == ARGS["max_total_tokens"]
+    assert info["tp_size"] == 2 and info["max_total_num_tokens"] == ARGS["max_total_tokens"] and info["overlap"]
     tp2.check_integrity()  # every rank checks its own pools and tree; any rank's failure is raised
 
 
