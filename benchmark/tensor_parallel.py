@@ -1,17 +1,20 @@
 """Tensor parallelism at tp 1 vs tp 2 on the default model, and the time of a full weight
 broadcast from a trainer process; prints one JSON object.
 
-    python benchmark/tensor_parallel.py [--tp 1,2] [--num 32] [--prompt-len 32] [--output-len 64]
+    python benchmark/tensor_parallel.py [--runs 1,1x1,2] [--num 32] [--prompt-len 32] [--output-len 64]
                                         [--dtype float32] [--model-path P] [--out F.json]
 
-Per tp size (each an Engine with real rank processes, threads split between the ranks):
+Runs: "N" is tp N with the machine's threads split between the ranks; "NxT" is tp N with T
+threads per rank (1x1: one rank on one thread, the same per-rank resources as tp 2 on two
+cores, which separates TP's own cost from thread scaling). Per run (an Engine with real rank
+processes):
   offline_tok_per_s     output tokens/s of --num greedy requests submitted together
   step_ms_batch         wall time per scheduler step of that run (decode-dominated)
   step_ms_batch1        ms per step of one request alone (one token per step)
   weight_broadcast_s    one update_weights_from_distributed of every tensor of the model
                         (all ~135M parameters, float32) from a trainer process over gloo,
                         received whole by every rank, cut to its shard and applied
-  outputs_identical_to_tp1   greedy tokens equal to tp 1's (float32)
+  outputs_identical_to_first   requests whose greedy tokens equal the first run's (float32)
 On a 2-core machine tp 2 cannot be faster: the two ranks share the cores tp 1 already uses,
 and every decode step adds ~64 collectives (2 all-reduces per layer, the embedding, the
 logits gather, the control broadcast and the batch check) at tens of microseconds each.
@@ -49,7 +52,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(tp: int, args) -> tuple[dict, list[list[int]]]:
+def run(spec: str, args) -> tuple[dict, list[list[int]]]:
+    from radixlm import Engine
+    from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
+
+    tp, _, threads = spec.partition("x")
+    tp = int(tp)
+    saved = os.environ.get("RADIXLM_NUM_THREADS")
+    if threads:
+        os.environ["RADIXLM_NUM_THREADS"] = threads  # read by the rank processes at start-up
+    try:
+        return _run(tp, args)
+    finally:
+        os.environ.pop("RADIXLM_NUM_THREADS", None)
+        if saved is not None:
+            os.environ["RADIXLM_NUM_THREADS"] = saved
+
+
+def _run(tp: int, args) -> tuple[dict, list[list[int]]]:
     from radixlm import Engine
     from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
 
@@ -89,7 +109,8 @@ def run(tp: int, args) -> tuple[dict, list[list[int]]]:
             raise RuntimeError("the trainer failed")
         eng.destroy_weights_update_group("bench")
         ids = [o["output_ids"] for o in outs]
-        return {"tp_size": tp, "startup_s": round(startup, 1),
+        return {"tp_size": tp, "threads_per_rank": eng.get_server_info()["threads_per_rank"],
+                "startup_s": round(startup, 1),
                 "offline_tok_per_s": round(args.num * args.output_len / wall, 1),
                 "step_ms_batch": round(1000 * wall / max(steps, 1), 2), "steps_batch": steps,
                 "step_ms_batch1": round(1000 * wall1 / max(steps1, 1), 2),
@@ -105,7 +126,8 @@ def main() -> None:
         trainer_main(sys.argv[2], int(sys.argv[3]), sys.argv[4] or None)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", default="1,2", help="comma-separated tp sizes (the first is the reference)")
+    ap.add_argument("--runs", default="1,1x1,2", help="comma-separated runs: N (tp N) or NxT (tp N, T threads "
+                                                       "per rank); the first is the reference")
     ap.add_argument("--num", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
@@ -114,11 +136,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results, reference = [], None
-    for tp in (int(x) for x in args.tp.split(",")):
-        row, ids = run(tp, args)
+    for spec in args.runs.split(","):
+        row, ids = run(spec.strip(), args)
         if reference is None:
             reference = ids
-        row["outputs_identical_to_tp1"] = sum(a == b for a, b in zip(ids, reference))
+        row["outputs_identical_to_first"] = f"{sum(a == b for a, b in zip(ids, reference))}/{len(ids)}"
         results.append(row)
     emit({"benchmark": "tensor_parallel", "model": args.model_path or "default (SmolLM2-135M-Instruct Q4_1 GGUF)",
           "dtype": args.dtype, "num": args.num, "prompt_len": args.prompt_len, "output_len": args.output_len,

@@ -267,7 +267,8 @@ class ModelRunner:
                 "max_running_requests": self.sizes.max_running_requests,
                 "chunked_prefill_size": self.sizes.chunked_prefill_size,
                 "context_length": self.max_context_len, "vocab_size": self.vocab_size,
-                "kv_pool_bytes": self.kv_pool.allocated_bytes, "tp_size": self.tp.size}
+                "kv_pool_bytes": self.kv_pool.allocated_bytes, "tp_size": self.tp.size,
+                "threads_per_rank": torch.get_num_threads()}
 
     # ------------------------------------------------------------------------
     def forward(self, batch: WorkerBatch) -> BatchResult:
