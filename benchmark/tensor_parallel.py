@@ -53,9 +53,6 @@ def _free_port() -> int:
 
 
 def run(spec: str, args) -> tuple[dict, list[list[int]]]:
-    from radixlm import Engine
-    from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
-
     tp, _, threads = spec.partition("x")
     tp = int(tp)
     saved = os.environ.get("RADIXLM_NUM_THREADS")
@@ -94,7 +91,8 @@ def _run(tp: int, args) -> tuple[dict, list[list[int]]]:
         wall, steps, outs = timed(prompts, args.output_len)
         path = resolve_model_path(args.model_path)
         named = list(iter_weights(path, load_model_config(path)))
-        names, dtypes, shapes = [n for n, _ in named], [str(t.dtype) for _, t in named], [list(t.shape) for _, t in named]
+        names, dtypes = [n for n, _ in named], [str(t.dtype) for _, t in named]
+        shapes = [list(t.shape) for _, t in named]
         n_bytes = sum(t.numel() * t.element_size() for _, t in named)
         del named
         port = _free_port()

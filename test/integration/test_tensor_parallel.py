@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from radixlm import Engine
-from test.engine_checks import assert_idle_and_empty, random_prompt
+from test.engine_checks import assert_idle_and_empty, check_storm_outcomes, random_prompt, run_storm
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # A small pool (retractions in the storm), small chunks (chunked prefill), a host KV tier
@@ -158,21 +158,8 @@ def check_storm(tp1: Engine, tp2: Engine) -> None:
                 tp2.abort_request(rng.choice(specs)[0])
         tp2.abort_request(abort_all=True)
 
-    async def go():
-        tasks = [asyncio.ensure_future(one(*s)) for s in specs]
-        await chaos()
-        return [x for r in await asyncio.gather(*tasks) for x in r]
-
-    results = asyncio.run(go())
-    assert len(results) == sum(f for *_, f in specs)
-    aborted = 0
-    for rid, ids, meta in results:
-        ref = reference[rid if rid in reference else rid.rsplit("_", 1)[0]]
-        if meta["finish_reason"]["type"] == "abort":
-            aborted += 1
-            assert ids == ref[:len(ids)], rid
-        else:
-            assert ids == ref, rid
+    results = run_storm(one, specs, chaos)
+    aborted = check_storm_outcomes(results, reference, sum(f for *_, f in specs))
     assert aborted > 0 and len(results) - aborted > 0
     assert tp2.get_server_info()["hicache"]["backed_up_tokens_total"] > 0  # acks agreed across ranks
     assert_idle_and_empty(tp2)

@@ -67,7 +67,7 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
         store.set_timeout(timeout)
         store = c10d.PrefixStore(group_name, store)
         group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                                  group_name=group_name, timeout=timeout)
+                                                  group_name=group_name, timeout=timeout)  # type: ignore[arg-type]
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == global rank
     return group
 

@@ -118,7 +118,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device == "cpu":  # ranks share the cores: each takes its part (RADIXLM_NUM_THREADS: per rank)
             env = os.environ.get("RADIXLM_NUM_THREADS")
-            torch.set_num_threads(threads_per_rank(self.tp.size, int(env) if env else None, torch.get_num_threads()))
+            torch.set_num_threads(threads_per_rank(self.tp.size, int(env) if env else None,
+                                                   torch.get_num_threads()))
         cfg = self.model_config
         self.layout = TPLayout.build(cfg, self.tp.size, self.tp.rank)
         local = self.layout.local_config(cfg)  # this rank's heads, MLP rows and vocabulary rows
@@ -222,7 +223,6 @@ class ModelRunner:
         return {"success": True, "message": self.tp.control.agreed(lambda: sync.destroy(group_name))}
 
     def update_weights_from_disk(self, model_path: str) -> int:
-        from radixlm.srt.model_runner.weight_updater import WeightUpdater
         from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
         path = resolve_model_path(model_path)
         cfg = load_model_config(path)
