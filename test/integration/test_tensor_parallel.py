@@ -201,7 +201,8 @@ def check_trainer_broadcast(tp1: Engine, tp2: Engine, model_dir: str, tmp_path, 
     """A trainer process joins the engine's ranks in a gloo group and broadcasts new weights;
     each rank keeps its shard. The next generation is the tp 1 engine's after the same update
     (through update_weights_from_tensor), the old prefix cache is not reused, the getter
-    gathers the shards, and a bad broadcast changes nothing (the trainer still completes)."""
+    gathers the shards, and a bad broadcast changes nothing (the trainer still completes).
+    Then update_weights_from_tensor and update_weights_from_disk under TP."""
     prompt = random_prompt(60, 40)
     params = {"max_new_tokens": 16, **GREEDY}
     before = tp2.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
@@ -246,6 +247,12 @@ def check_trainer_broadcast(tp1: Engine, tp2: Engine, model_dir: str, tmp_path, 
         eng.update_weights_from_tensor(more)
     assert tp2.generate(input_ids=prompt, sampling_params=params)["output_ids"] == \
         tp1.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    # update_weights_from_disk: each rank reads its shards of the original checkpoint again
+    for eng in (tp1, tp2):
+        eng.update_weights_from_disk(model_dir)
+    restored = tp2.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
+    _same(restored, before)
+    assert restored["meta_info"]["cached_tokens"] == 0
     # an error on one rank only (rank 0 would hold o_proj's bias, which this model lacks) is every rank's
     with pytest.raises(ValueError, match="unknown weight"):
         tp2.get_weights_by_name("model.layers.0.self_attn.o_proj.bias")
@@ -328,3 +335,19 @@ def test_http_weight_sync_and_rank_death(tiny_llama_tp_dir, tmp_path):
             trainer.wait()
         srv.stop()  # asserts: every child gone, IPC dir removed
     assert "scheduler_tp1 process (tensor-parallel rank 1) exited unexpectedly" in srv.log()
+
+
+@pytest.mark.slow
+def test_default_model_at_tp2(default_model_path):
+    """SmolLM2-135M (GGUF, 9 query heads over 3 KV heads, tied embeddings) at tp 2: each rank
+    reads its shards of the dequantized GGUF, and greedy float32 tokens equal tp 1's."""
+    prompts = [random_prompt(80, 12), random_prompt(81, 40)]
+    kw = dict(input_ids=prompts, sampling_params={"max_new_tokens": 16, **GREEDY}, return_logprob=True,
+              top_logprobs_num=2)
+    outs = {}
+    for tp in (1, 2):
+        with Engine(model_path=default_model_path, dtype="float32", max_total_tokens=2048, tp_size=tp) as eng:
+            outs[tp] = eng.generate(**kw)
+    for a, b in zip(outs[1], outs[2]):
+        _assert_clear_margins(a)
+        _same(a, b)
