@@ -122,6 +122,20 @@ def test_sampling_keeps_ranks_in_step(tp1, tp2):
     assert_idle_and_empty(tp2)
 
 
+def test_timeouts_and_memory_release_on_every_rank(tp2):
+    """A per-request timeout is decided on rank 0's clock, so every rank ends the request at the
+    same step; memory release and resume run on every rank."""
+    out = tp2.generate(input_ids=random_prompt(12, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+                       timeout=0.5)
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and fr["status_code"] == 503 and out["output_ids"]
+    assert_idle_and_empty(tp2)
+    tp2.release_memory_occupation()
+    tp2.resume_memory_occupation()
+    assert len(tp2.generate(input_ids=random_prompt(13, 5), sampling_params={"max_new_tokens": 4})["output_ids"]) <= 4
+    assert_idle_and_empty(tp2)
+
+
 def test_abort_and_retraction_storm(tp1, tp2):
     check_storm(tp1, tp2)
 
