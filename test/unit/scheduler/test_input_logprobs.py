@@ -87,3 +87,11 @@ def test_pause_retract_during_chunked_prefill_does_not_duplicate_input_logprobs(
     h.run()
     assert shape(input_lps(h, rid)) == expected(prompt, 2)
     h.assert_idle_and_conserved()
+
+
+def test_one_token_prompt_from_zero_reports_its_none_entry():
+    """The first prompt token has no logprob but is listed (echo=True with logprobs needs it)."""
+    h = make_harness()
+    rid = submit_lp(h, [42], 0, "lp", top=1)
+    h.run()
+    assert shape(input_lps(h, rid)) == [(True, 42)]
