@@ -28,7 +28,8 @@ class DetokenizerManager:
             if det is None:
                 p = o.detok or DetokParams()
                 det = IncrementalDetokenizer(self.tokenizer, list(p.stop), p.skip_special_tokens,
-                                             p.no_stop_trim, p.spaces_between_special_tokens)
+                                             p.no_stop_trim, p.spaces_between_special_tokens,
+                                             list(p.stop_regex))
                 self.states[o.rid] = det
             finished = o.finish_reason is not None
             text = det.add(o.new_token_ids, finished=finished)
