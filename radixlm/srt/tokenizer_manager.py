@@ -101,7 +101,9 @@ class TokenizerManager:
         self.model_path: str = scheduler_info["model_path"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.context_len: int = scheduler_info["max_context_len"]
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        # the tokenizer stays the one loaded at start, whatever weights are loaded later
+        self.tokenizer_path: str = args.tokenizer_path or self.model_path
+        self.tokenizer = load_tokenizer(self.tokenizer_path)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
@@ -272,8 +274,10 @@ class TokenizerManager:
 
     async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
                                        weight_version: str | None = None) -> dict:
-        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
-                                          weight_version)
+        res = await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
+                                         weight_version)
+        self.model_path = model_path  # what /get_model_info reports from now on (as SGLang does)
+        return res
 
     async def _update_weights(self, req, weight_version: str | None) -> dict:
         async with self.model_update_lock.write():  # running requests finish first
