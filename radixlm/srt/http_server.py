@@ -280,7 +280,7 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 break
             i = chunk.get("index", 0)
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
-            a["text"] += chunk["text"]
+            a["text"] += chunk.get("text", "")
             a["output_ids"].extend(chunk["output_ids"])
             meta = dict(chunk["meta_info"])
             if "output_token_logprobs" in meta:
@@ -288,6 +288,8 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 a["tops"].extend(meta["output_top_logprobs"] or [])
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
             out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+            if "text" not in chunk:  # skip_tokenizer_init: ids only
+                del out["text"]
             if "index" in chunk:
                 out["index"] = i
             yield sse_event(out)

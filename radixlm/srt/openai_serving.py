@@ -106,8 +106,14 @@ class OpenAIServing:
         return self.served_model_name
 
     # ------------------------------------------------------------------ entry points
+    def _need_tokenizer(self) -> None:
+        if self.tm.tokenizer is None:
+            raise HTTPError("the OpenAI routes need a tokenizer, and this server runs with --skip-tokenizer-init: "
+                            "use /generate with input_ids")
+
     async def create_completion(self, req: CompletionRequest, receive: Receive):
         model = self.check_model(req.model)
+        self._need_tokenizer()
         if req.suffix:
             raise HTTPError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -124,6 +130,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, receive: Receive):
         model = self.check_model(req.model)
+        self._need_tokenizer()
         try:
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
         except ToolChoiceError as e:

@@ -103,7 +103,8 @@ class TokenizerManager:
         self.context_len: int = scheduler_info["max_context_len"]
         # the tokenizer stays the one loaded at start, whatever weights are loaded later
         self.tokenizer_path: str = args.tokenizer_path or self.model_path
-        self.tokenizer = load_tokenizer(self.tokenizer_path)
+        # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
@@ -437,6 +438,7 @@ class TokenizerManager:
     def _with_text(self, pairs, with_text: bool):
         if pairs is None:
             return None
+        with_text = with_text and self.tokenizer is not None
         return [(lp, tok, self.tokenizer.decode([tok]) if with_text else None) for lp, tok in pairs]
 
     def _result(self, st: ReqState, with_text: bool, full: bool, delta: dict | None = None) -> dict:
@@ -451,6 +453,8 @@ class TokenizerManager:
             meta["output_top_logprobs"] = [self._with_text(t, with_text) for t in tops]
             meta["input_token_logprobs"] = self._with_text(st.input_token_logprobs or [], with_text)
             meta["input_top_logprobs"] = [self._with_text(t, with_text) for t in (st.input_top_logprobs or [])]
-        if full:
-            return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-        return {"text": delta["text"], "output_ids": delta["output_ids"], "meta_info": meta}
+        out = {"text": st.text if full else delta["text"],
+               "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
+        if self.tokenizer is None:
+            del out["text"]
+        return out

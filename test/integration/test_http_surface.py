@@ -246,3 +246,48 @@ def test_bad_tool_requests_are_400(http, body, param):
     assert r.status_code == 400, r.text
     if param:
         assert r.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------------------- --skip-tokenizer-init
+@pytest.fixture(scope="module")
+def bare(tiny_llama_dir, tmp_path_factory):
+    """A server that loads no tokenizer: ids in, ids out (RL callers)."""
+    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("bare") / "server.log"), "--skip-tokenizer-init")
+    try:
+        srv.wait_ready()
+        with httpx.Client(base_url=srv.base, timeout=60.0) as c:
+            yield c
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_skip_tokenizer_init_ids_in_ids_out(bare, http):
+    body = {"input_ids": [1, 5, 9, 100], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True}
+    out = bare.post("/generate", json=body).json()
+    assert "text" not in out and len(out["output_ids"]) == 5
+    assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
+    ref = http.post("/generate", json=body).json()  # the same weights with a tokenizer
+    assert ref["output_ids"] == out["output_ids"]
+    events = [json.loads(line[6:]) for line in bare.post("/generate", json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["output_ids"] == out["output_ids"] and all("text" not in e for e in events)
+    batch = bare.post("/generate", json={**body, "input_ids": [[1, 2], [3, 4, 5]]}).json()
+    assert [len(b["output_ids"]) for b in batch] == [5, 5]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "hello", "sampling_params": {"max_new_tokens": 2}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "stop": ["x"]}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "stop_regex": "x"}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2, "regex": "a+"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": [1, 2, 3]}),
+    ("/tokenize", {"prompt": "hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+])
+def test_skip_tokenizer_init_refuses_what_needs_text(bare, path, body):
+    r = bare.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert bare.get("/health_generate").status_code == 200
