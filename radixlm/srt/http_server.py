@@ -81,6 +81,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
         try:
             yield

@@ -168,7 +168,8 @@ class TokenizerManager:
                 st.first_token_time = now
                 self.metrics.observe_ttft(now - st.start)
             elif st.last_token_time is not None:
-                self.metrics.observe_itl((now - st.last_token_time) / len(o.out.new_token_ids))
+                n = len(o.out.new_token_ids)
+                self.metrics.observe_itl((now - st.last_token_time) / n, n)
             st.last_token_time = now
         st.pending.append(o)
         st.event.set()

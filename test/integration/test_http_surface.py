@@ -143,6 +143,48 @@ def test_tokenize_and_detokenize(http):
         assert r.status_code in (400, 404) and "error" in r.json(), (path, body, r.text)
 
 
+# ---------------------------------------------------------------------------- SGLang's metric names
+SGLANG_METRICS = {  # name -> Prometheus type, as SGLang's collectors declare them
+    "sglang:num_running_reqs": "gauge", "sglang:num_queue_reqs": "gauge", "sglang:num_grammar_queue_reqs": "gauge",
+    "sglang:num_used_tokens": "gauge", "sglang:token_usage": "gauge", "sglang:max_total_num_tokens": "gauge",
+    "sglang:cache_hit_rate": "gauge", "sglang:gen_throughput": "gauge", "sglang:new_token_ratio": "gauge",
+    "sglang:prompt_tokens": "counter", "sglang:generation_tokens": "counter", "sglang:cached_tokens": "counter",
+    "sglang:num_requests": "counter", "sglang:num_aborted_requests": "counter",
+    "sglang:num_retracted_requests": "counter", "sglang:evicted_tokens": "counter",
+    "sglang:time_to_first_token_seconds": "histogram", "sglang:inter_token_latency_seconds": "histogram",
+    "sglang:time_per_output_token_seconds": "histogram", "sglang:e2e_request_latency_seconds": "histogram",
+}
+
+
+def _families(http):
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+
+
+def _value(fam, suffix=""):
+    return sum(s.value for s in fam.samples if s.name == fam.name + suffix)
+
+
+def test_sglang_metric_names_labels_and_types(http, client):
+    before = _families(http)
+    # streamed: a non-streamed answer arrives at once, so it has no inter-token gaps to observe
+    list(client.completions.create(model="tiny_llama", prompt="metrics please", max_tokens=5, stream=True, **GREEDY))
+    fams = _families(http)
+    for name, kind in SGLANG_METRICS.items():
+        assert name in fams and fams[name].type == kind, name
+        assert all(s.labels.get("model_name") == "tiny_llama" for s in fams[name].samples), name
+    assert "radixlm:num_requests" in fams and "radixlm:time_to_first_token_seconds" in fams  # ours stay
+    grew = lambda n, suffix="_total": _value(fams[n], suffix) - (_value(before[n], suffix) if n in before else 0)
+    assert grew("sglang:num_requests") == 1 and grew("sglang:generation_tokens") == 5
+    assert grew("sglang:prompt_tokens") == 2
+    assert grew("sglang:e2e_request_latency_seconds", "_count") == 1
+    assert grew("sglang:time_to_first_token_seconds", "_count") == 1
+    assert grew("sglang:inter_token_latency_seconds", "_count") == 4  # one per token after the first
+    assert grew("sglang:time_per_output_token_seconds", "_count") == 1
+    assert _value(fams["sglang:num_running_reqs"]) == 0 and 0 <= _value(fams["sglang:token_usage"]) <= 1
+    assert _value(fams["sglang:max_total_num_tokens"]) == 8192
+
+
 # ---------------------------------------------------------------------------- function calling
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
