@@ -52,10 +52,7 @@ def add_tokenize_routes(app: FastAPI, ctx_of: Callable[[Request], Any]) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
-        ctx = ctx_of(request)
-        body = await parse_body(request, TokenizeRequest)
-        tok = _tokenizer(ctx)
-        ctx.openai.check_model(body.model)
+        ctx, body, tok = await _begin(ctx_of(request), request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError("exactly one of prompt and messages must be given", param="prompt")
         if body.messages is not None:
@@ -79,10 +76,7 @@ def add_tokenize_routes(app: FastAPI, ctx_of: Callable[[Request], Any]) -> None:
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        ctx = ctx_of(request)
-        body = await parse_body(request, DetokenizeRequest)
-        tok = _tokenizer(ctx)
-        ctx.openai.check_model(body.model)
+        ctx, body, tok = await _begin(ctx_of(request), request, DetokenizeRequest)
         single = not body.tokens or isinstance(body.tokens[0], int)
         lists = [body.tokens] if single else body.tokens
         vocab = ctx.tm.vocab_size
@@ -93,10 +87,13 @@ def add_tokenize_routes(app: FastAPI, ctx_of: Callable[[Request], Any]) -> None:
         return ORJSONResponse({"text": texts[0] if single else texts})
 
 
-def _tokenizer(ctx):
+async def _begin(ctx, request: Request, model: type[BaseModel]):
+    """(server context, parsed body, tokenizer), or an HTTP error."""
+    body = await parse_body(request, model)
     if ctx.tm.tokenizer is None:
         raise HTTPError("the server runs with --skip-tokenizer-init: it has no tokenizer")
-    return ctx.tm.tokenizer
+    ctx.openai.check_model(body.model)
+    return ctx, body, ctx.tm.tokenizer
 
 
 async def _encode(tok, texts: list[str], add_special_tokens: bool) -> list[list[int]]:

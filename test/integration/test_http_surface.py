@@ -10,19 +10,14 @@ import shutil
 import httpx
 import pytest
 
-from test.integration.test_http_server import GREEDY, ServerProcess
+from test.integration.test_http_server import GREEDY, serving
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("surface") / "server.log"),
-                        "--tool-call-parser", "qwen25")
-    try:
-        srv.wait_ready()
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("surface") / "server.log"),
+                 "--tool-call-parser", "qwen25") as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -294,14 +289,9 @@ def test_bad_tool_requests_are_400(http, body, param):
 @pytest.fixture(scope="module")
 def bare(tiny_llama_dir, tmp_path_factory):
     """A server that loads no tokenizer: ids in, ids out (RL callers)."""
-    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("bare") / "server.log"), "--skip-tokenizer-init")
-    try:
-        srv.wait_ready()
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("bare") / "server.log"), "--skip-tokenizer-init") as srv:
         with httpx.Client(base_url=srv.base, timeout=60.0) as c:
             yield c
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop()
 
 
 def test_skip_tokenizer_init_ids_in_ids_out(bare, http):
