@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "float_gemm_forced", "num_threads",
-           "cache_dir", "CHILD_ENV"]
+           "cache_dir", "tp_backend", "CHILD_ENV"]
 
 # The scheduler and detokenizer never reach the Hugging Face Hub: a serving machine may be
 # offline, and a silent download of another tokenizer would be worse than an error. (Loading
@@ -53,3 +53,9 @@ def cache_dir() -> str:
     """RADIXLM_CACHE_DIR: dequantized GGUF weights, tokenizers, compiled kernels
     (default ~/.cache/radixlm)."""
     return os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+
+
+def tp_backend() -> str:
+    """RADIXLM_TP_BACKEND: the tensor-parallel ranks' collectives on CUDA (default nccl; gloo goes
+    through host memory and lets ranks share one GPU, for testing on one)."""
+    return os.environ.get("RADIXLM_TP_BACKEND") or "nccl"

@@ -168,7 +168,7 @@ def build_hiradix_cache(config: PrefixCacheConfig, device: DeviceKV) -> HiRadixC
                        sizing.capacity, device.capacity)
     min_free = MIN_FREE_RAM_BYTES if device.min_free_bytes is None else device.min_free_bytes
     host = HostKVPool(buffers, sizing.capacity, min_free_bytes=min_free)
-    controller = CacheController(device.buffers, host, copy_hook=device.copy_hook)
+    controller = CacheController(device.buffers, host, copy_hook=device.copy_hook, ranks=device.ranks)
     return HiRadixCache(config.page_size, config.eviction_policy, host_pool=host, controller=controller,
                         write_policy=config.hicache_write_policy)
 

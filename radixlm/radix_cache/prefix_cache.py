@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.registry import Registry
 
 __all__ = ["RadixKey", "TreeNode", "MatchResult", "LockHolder", "SlotAllocator", "PrefixCache",
@@ -211,6 +212,8 @@ class DeviceKV:
     buffers: list[torch.Tensor] | Callable[[], list[torch.Tensor]] = field(default_factory=list)
     copy_hook: Callable[[str], None] | None = None  # tests slow or hold a copy with it
     min_free_bytes: int | None = None  # RAM a host tier must leave (None: its default)
+    # How tensor-parallel ranks agree on which copies are done (one rank: as they are); rank_sync.py.
+    ranks: RankSync = LOCAL_RANK
 
 
 # Factories by name, each `(config, device) -> PrefixCache`, filled by the implementing modules on

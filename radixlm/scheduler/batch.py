@@ -100,6 +100,19 @@ class ModelRunnerProtocol(Protocol):
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         ...
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+        """Join a trainer's weight-update group (distributed weight sync); {success, message}."""
+        ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Any], shapes: list[list[int]],
+                                        group_name: str) -> int:
+        """Receive the named tensors the trainer broadcasts and apply them, all or nothing."""
+        ...
+
+    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        ...
+
     def release_memory(self) -> None:
         """Give the KV pool's memory back (its contents are lost)."""
         ...

@@ -13,14 +13,17 @@ from radixlm.messages import (
     AbortReq,
     CheckIntegrityReq,
     ContinueReq,
+    DestroyWeightsUpdateGroupReq,
     FlushCacheReq,
     GetInfoReq,
     GetWeightsByNameReq,
+    InitWeightsUpdateGroupReq,
     PauseReq,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     TokenizedGenerateReq,
     UpdateWeightsFromDiskReq,
+    UpdateWeightsFromDistributedReq,
     UpdateWeightsFromTensorReq,
 )
 
@@ -100,6 +103,23 @@ def _update_from_tensor(s: Scheduler, msg: UpdateWeightsFromTensorReq) -> dict[s
 @_handles(UpdateWeightsFromDiskReq)
 def _update_from_disk(s: Scheduler, msg: UpdateWeightsFromDiskReq) -> dict[str, Any]:
     return _weights_op(s, lambda: s.runner.update_weights_from_disk(msg.model_path), msg.flush_cache)
+
+
+@_handles(UpdateWeightsFromDistributedReq)
+def _update_from_distributed(s: Scheduler, msg: UpdateWeightsFromDistributedReq) -> dict[str, Any]:
+    return _weights_op(s, lambda: s.runner.update_weights_from_distributed(msg.names, msg.dtypes, msg.shapes,
+                                                                          msg.group_name), msg.flush_cache)
+
+
+@_handles(InitWeightsUpdateGroupReq)
+def _init_weights_group(s: Scheduler, msg: InitWeightsUpdateGroupReq) -> dict[str, Any]:
+    return s.runner.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset,
+                                              msg.world_size, msg.group_name, msg.backend)
+
+
+@_handles(DestroyWeightsUpdateGroupReq)
+def _destroy_weights_group(s: Scheduler, msg: DestroyWeightsUpdateGroupReq) -> dict[str, Any]:
+    return s.runner.destroy_weights_update_group(msg.group_name)
 
 
 @_handles(GetWeightsByNameReq)

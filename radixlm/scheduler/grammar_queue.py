@@ -22,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from radixlm.core import FinishReason, Req
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class GrammarQueue:
     structured requests with 400 instead of queueing them (see `available`)."""
 
     def __init__(self, backend: GrammarBackend | None, num_threads: int = 2,
-                 cache_size: int = COMPILE_CACHE_SIZE) -> None:
+                 cache_size: int = COMPILE_CACHE_SIZE, ranks: RankSync = LOCAL_RANK) -> None:
         self.backend = backend
         self._num_threads = num_threads
         self._pool: ThreadPoolExecutor | None = None  # started by the first structured request
@@ -56,6 +57,8 @@ class GrammarQueue:
         self._cache_size = cache_size
         # keyed by id(req): insertion order is arrival order (fairness), removal is O(1)
         self._pending: dict[int, tuple[Req, tuple[str, str]]] = {}
+        # Tensor-parallel ranks admit a request only once its compile is done on every rank.
+        self.ranks = ranks
         self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0, "grammar_compile_errors": 0,
                       "grammar_compiles_cancelled": 0}
 
@@ -121,10 +124,12 @@ class GrammarQueue:
         failed: list[tuple[Req, FinishReason]] = []
         backend = self.backend
         if backend is None:
-            return ready, failed  # nothing is ever queued without a backend
-        for rid_key, (req, key) in list(self._pending.items()):
+            return ready, failed  # nothing is ever queued without a backend (the same on every rank)
+        pending = list(self._pending.items())
+        done = self.ranks.agree_done([int(self._cache[key].done()) for _, (_, key) in pending]) if pending else []
+        for (rid_key, (req, key)), is_done in zip(pending, done, strict=True):
             fut = self._cache[key]
-            if not fut.done():
+            if not is_done:
                 continue
             del self._pending[rid_key]
             error = fut.exception()

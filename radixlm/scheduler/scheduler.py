@@ -16,6 +16,7 @@ from typing import Any
 
 from radixlm.core import FinishReason, Req
 from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, TokenizedGenerateReq
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.scheduler import control
 from radixlm.scheduler.abort import abort_matcher
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
@@ -42,7 +43,7 @@ ABORTABLE = (Place.WAITING, Place.GRAMMAR, Place.CHUNKED, Place.PREFILL, Place.R
 class Scheduler:
     def __init__(self, config: SchedulerConfig, runner: ModelRunnerProtocol, cache: CacheManager, *,
                  tokenizer: Tokenizer | None = None, send_output: Callable[[BatchTokenOut], None] | None = None,
-                 grammar_backend: GrammarBackend | None = None) -> None:
+                 grammar_backend: GrammarBackend | None = None, ranks: RankSync = LOCAL_RANK) -> None:
         self.config = config
         self.runner = runner
         self.cache = cache
@@ -51,8 +52,10 @@ class Scheduler:
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
         self.requests = RequestTable()
+        # The clock of timeouts and queue order; tensor-parallel ranks share rank 0's (rank_sync.py).
+        self.ranks = ranks
         # structured-output requests wait (Place.GRAMMAR) for their compile here (semantics §1)
-        self.grammar_queue = GrammarQueue(grammar_backend)
+        self.grammar_queue = GrammarQueue(grammar_backend, ranks=ranks)
         self.overlap = config.overlap
         self.worker = ForwardWorker(runner, cache.before_forward, threaded=config.overlap)
         self.timer = self.worker.timer
@@ -95,7 +98,8 @@ class Scheduler:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
-                  extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
+                  extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
+                  created_time=self.ranks.now())
         error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
@@ -140,7 +144,7 @@ class Scheduler:
 
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
-        now = time.perf_counter()
+        now = self.ranks.now()
         for waiting, places in ((True, (Place.WAITING, Place.GRAMMAR)), (False, (Place.RUNNING, Place.CHUNKED))):
             for req in self.requests.find(lambda r: r.to_finish is None, *places):
                 why = deadline_passed(req, now, waiting, self.config)
@@ -273,7 +277,7 @@ class Scheduler:
         plan = adder.plan
         if not plan.reqs:
             return None
-        now = time.perf_counter()
+        now = self.ranks.now()
         for req, prefix, extend in zip(plan.reqs, plan.prefix_lens, plan.extend_lens, strict=True):
             self.requests.put(req, Place.PREFILL)  # back to CHUNKED in postprocess if a chunk remains
             if req.admit_time is None:
@@ -331,6 +335,11 @@ class Scheduler:
         reused on resume if it survives."""
         self.cache.release(req, insert=True)
         req.num_retractions += 1
+        if not req.output_ids:
+            # retracted during chunked prefill: the prompt is recomputed from the cache match,
+            # and with it the input logprobs recorded so far
+            req.input_token_logprobs.clear()
+            req.input_top_logprobs.clear()
         self.requests.put(req, Place.WAITING)
 
     # ================================================================ results
@@ -354,7 +363,8 @@ class Scheduler:
             if req.to_finish is not None:  # aborted while this batch was in flight
                 self._finish(req, req.to_finish)
                 continue
-            if result.input_logprobs[i] is not None:
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                # also when this chunk computed none (a one-token prompt): position 0's entry
                 record_input_logprobs(req, batch.input_logprob_targets[i], result, i)
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)

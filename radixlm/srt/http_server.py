@@ -30,11 +30,14 @@ from starlette.responses import Response
 
 from radixlm.config import ServerArgs
 from radixlm.srt.http_rl_routes import add_rl_routes
+from radixlm.srt.http_tokenize_routes import add_tokenize_routes
+from radixlm.srt.launch import describe
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
                                     sse_event, validation_message)
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
+from radixlm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
         try:
             yield
@@ -94,6 +98,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_openai_routes(app)
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
+    add_tokenize_routes(app, _ctx)
     return app
 
 
@@ -104,9 +109,9 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
     def on_exit(name: str, code: int | None) -> None:
         if ctx.shutting_down:
             return
-        logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
+        logger.error("the %s exited unexpectedly (code %s); shutting down", describe(name), code)
         ctx.dead_child = name
-        ctx.tm.fail_all(f"the {name} process exited unexpectedly (code {code})")
+        ctx.tm.fail_all(f"the {describe(name)} exited unexpectedly (code {code})")
         signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
 
     def wait(name: str, proc) -> None:
@@ -242,9 +247,10 @@ def _add_native_routes(app: FastAPI) -> None:
     async def get_model_info(request: Request):
         ctx = _ctx(request)
         tm = ctx.tm
-        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": ctx.args.tokenizer_path or tm.model_path,
+        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
                                "is_generation": True, "context_length": tm.context_len,
-                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name})
+                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name,
+                               "weight_version": tm.weight_version})
 
     @app.get("/get_server_info")
     async def get_server_info(request: Request):
@@ -252,6 +258,7 @@ def _add_native_routes(app: FastAPI) -> None:
         info = await ctx.tm.get_server_info()
         info["server_args"] = dataclasses.asdict(ctx.args)
         info["served_model_name"] = ctx.served_model_name
+        info["version"] = __version__
         info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
                            "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
         return ORJSONResponse(info)
@@ -275,7 +282,7 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 break
             i = chunk.get("index", 0)
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
-            a["text"] += chunk["text"]
+            a["text"] += chunk.get("text", "")
             a["output_ids"].extend(chunk["output_ids"])
             meta = dict(chunk["meta_info"])
             if "output_token_logprobs" in meta:
@@ -283,6 +290,8 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 a["tops"].extend(meta["output_top_logprobs"] or [])
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
             out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+            if "text" not in chunk:  # skip_tokenizer_init: ids only
+                del out["text"]
             if "index" in chunk:
                 out["index"] = i
             yield sse_event(out)

@@ -17,9 +17,10 @@ import zmq.asyncio
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
-from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq,
-                              RpcReply, RpcReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+                              FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
@@ -101,7 +102,10 @@ class TokenizerManager:
         self.model_path: str = scheduler_info["model_path"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.context_len: int = scheduler_info["max_context_len"]
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        # the tokenizer stays the one loaded at start, whatever weights are loaded later
+        self.tokenizer_path: str = args.tokenizer_path or self.model_path
+        # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
@@ -165,7 +169,8 @@ class TokenizerManager:
                 st.first_token_time = now
                 self.metrics.observe_ttft(now - st.start)
             elif st.last_token_time is not None:
-                self.metrics.observe_itl((now - st.last_token_time) / len(o.out.new_token_ids))
+                n = len(o.out.new_token_ids)
+                self.metrics.observe_itl((now - st.last_token_time) / n, n)
             st.last_token_time = now
         st.pending.append(o)
         st.event.set()
@@ -272,13 +277,48 @@ class TokenizerManager:
 
     async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
                                        weight_version: str | None = None) -> dict:
-        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
-                                          weight_version)
+        res = await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
+                                         weight_version)
+        self.model_path = model_path  # what /get_model_info reports from now on (as SGLang does)
+        return res
 
-    async def _update_weights(self, req, weight_version: str | None) -> dict:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict:
+        """Every scheduler rank joins the trainer's group (blocks until all members have)."""
+        req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
+                                        rank_offset=int(rank_offset), world_size=int(world_size),
+                                        group_name=group_name, backend=backend)
+        return await self._rpc_value_error(req, timeout=self.args.dist_timeout + 60)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              abort_all_requests: bool = False) -> dict:
+        """Receive the tensors the trainer broadcasts on `group_name` (it broadcasts them in this
+        order, whole; every rank keeps its shard). Waits for running requests like every update."""
+        from radixlm.srt.distributed.weight_sync import check_update_request
+        check_update_request(names, dtypes, shapes)
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
+        req = UpdateWeightsFromDistributedReq(names=list(names), dtypes=[str(d) for d in dtypes],
+                                              shapes=[list(map(int, s)) for s in shapes], group_name=group_name,
+                                              flush_cache=flush_cache)
+        return await self._update_weights(req, weight_version, timeout=self.args.dist_timeout + 600)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._rpc_value_error(DestroyWeightsUpdateGroupReq(group_name=group_name))
+
+    async def _rpc_value_error(self, req: RpcReq, timeout: float = 60.0) -> Any:
+        try:
+            return await self.rpc(req, timeout=timeout)
+        except RuntimeError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+    async def _update_weights(self, req, weight_version: str | None, timeout: float = 600) -> dict:
         async with self.model_update_lock.write():  # running requests finish first
             try:
-                result = await self.rpc(req, timeout=600)
+                result = await self.rpc(req, timeout=timeout)
             except RuntimeError as e:
                 raise ValueError(str(e).split(": ", 1)[-1]) from None
             self._num_weight_updates += 1
@@ -433,6 +473,7 @@ class TokenizerManager:
     def _with_text(self, pairs, with_text: bool):
         if pairs is None:
             return None
+        with_text = with_text and self.tokenizer is not None
         return [(lp, tok, self.tokenizer.decode([tok]) if with_text else None) for lp, tok in pairs]
 
     def _result(self, st: ReqState, with_text: bool, full: bool, delta: dict | None = None) -> dict:
@@ -447,6 +488,8 @@ class TokenizerManager:
             meta["output_top_logprobs"] = [self._with_text(t, with_text) for t in tops]
             meta["input_token_logprobs"] = self._with_text(st.input_token_logprobs or [], with_text)
             meta["input_top_logprobs"] = [self._with_text(t, with_text) for t in (st.input_top_logprobs or [])]
-        if full:
-            return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-        return {"text": delta["text"], "output_ids": delta["output_ids"], "meta_info": meta}
+        out = {"text": st.text if full else delta["text"],
+               "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
+        if self.tokenizer is None:
+            del out["text"]
+        return out

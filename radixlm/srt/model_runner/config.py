@@ -24,6 +24,9 @@ class RunnerConfig:
     page_size: int = 1
     max_running_requests: int | None = None
     chunked_prefill_size: int | None = None  # -1: no chunking
+    # seconds a collective with a trainer's weight update group may wait (tensor-parallel ranks
+    # get theirs from the process group)
+    dist_timeout: float = 300.0
 
     def replace(self, **kw: Any) -> RunnerConfig:
         return dataclasses.replace(self, **kw)
