@@ -657,6 +657,9 @@ class Scheduler:
                 "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
+                # prefill work still queued, in tokens (the load a fleet gateway balances on)
+                "num_waiting_tokens": sum(r.seqlen for r in self.waiting)
+                + (self.chunked_req.seqlen - self.chunked_req.kv_committed_len if self.chunked_req else 0),
                 "num_grammar_queue_reqs": len(self.grammar_queue), **self.grammar_queue.stats,
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
                 **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {}),

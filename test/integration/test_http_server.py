@@ -334,6 +334,8 @@ def test_timeout_is_503(http):
     with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "max_tokens": 1900, "ignore_eos": True, "timeout": 0.2,
                                                            "stream": True}) as r:
+        if r.status_code == 503:  # timed out before its first token: a plain error
+            return
         events = _sse(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
 
