@@ -39,6 +39,18 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """End a server process whose children are stopped and files removed, without the
+    interpreter's finalization (seconds of garbage collection over torch's module state)."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "generate":
         return _generate(ns)
     if ns.command == "serve":
-        return _serve(ns)
+        code = _serve(ns)
+        if argv is None:  # the command line, not a caller in this interpreter
+            _exit_now(code)
+        return code
     return 2
 
 
