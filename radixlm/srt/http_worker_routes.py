@@ -25,8 +25,18 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 
-import radixlm
 from radixlm.srt.http_utils import ORJSONResponse
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("radixlm")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+RADIXLM_VERSION = _version()
 
 
 class _Throughput:
@@ -58,7 +68,7 @@ async def server_info(ctx) -> dict:
     # One engine per worker: a `radixlm serve --dp-size N` fleet registers N workers of
     # dp_size 1 (a dp_size > 1 here would make a dp-aware gateway address ranks we lack).
     info.update(model_path=tm.model_path, tokenizer_path=args.tokenizer_path or tm.model_path,
-                version=radixlm.__version__, tp_size=1, dp_size=1, pp_size=1, is_embedding=False,
+                version=RADIXLM_VERSION, tp_size=1, dp_size=1, pp_size=1, is_embedding=False,
                 context_length=tm.context_len, max_total_tokens=info["memory"]["capacity"],
                 page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens)
     return info
@@ -113,7 +123,7 @@ def add_worker_routes(app: FastAPI, ctx_of: Callable[[Request], object]) -> None
         if "memory" not in include.split(","):
             load.pop("memory")
         return ORJSONResponse({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                               "version": radixlm.__version__, "dp_rank_count": 1, "loads": [load]})
+                               "version": RADIXLM_VERSION, "dp_rank_count": 1, "loads": [load]})
 
     @app.get("/get_load")
     async def get_load(request: Request):
