@@ -227,8 +227,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="warning")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s [dispatcher] %(levelname)s %(message)s")
-    uvicorn.run(create_dispatcher_app(ns.worker_urls, ns.policy), host=ns.host, port=ns.port,
-                log_level=ns.log_level, access_log=False, timeout_graceful_shutdown=5)
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn re-raises a captured SIGTERM after its shutdown; a stop asked for is a clean exit
+            getattr(self, "_captured_signals", []).clear()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(create_dispatcher_app(ns.worker_urls, ns.policy), host=ns.host, port=ns.port,
+                            log_level=ns.log_level, access_log=False, timeout_graceful_shutdown=5)
+    Server(config).run()
 
 
 if __name__ == "__main__":
