@@ -47,19 +47,32 @@ def workers(tiny_llama_dir, tmp_path_factory):
             w.client = c
         yield ws
     finally:
-        for w in ws:
-            if w.proc.poll() is None:
+        _stop_all(ws)
+
+
+def _stop_all(servers) -> None:
+    """Stop every server even when one of the stops fails (a failure is raised after)."""
+    errors = []
+    for w in servers:
+        if w.proc.poll() is None:
+            try:
                 w.stop()
+            except AssertionError as e:
+                errors.append(e)
+    if errors:
+        raise errors[0]
 
 
-def _start_gateway(workers, tmp_path_factory, name: str, *extra: str, policy: str = "cache_aware",
-                   urls: list[str] | None = None) -> SmgGateway:
+def _start_gateway(workers, tmp_path_factory, name: str, *extra: str, policy: str = "cache_aware") -> SmgGateway:
     log = open(tmp_path_factory.mktemp(name) / "smg.log", "wb")
-    gw = SmgGateway([w.base for w in workers] if urls is None else urls, policy=policy, extra_args=extra)
+    gw = SmgGateway([w.base for w in workers], policy=policy, extra_args=extra)
     gw.start(log=log)
     gw.log = log
-    if urls is None or urls:
+    try:
         gw.wait_ready()
+    except BaseException:
+        _stop_gateway(gw)
+        raise
     return gw
 
 
@@ -320,8 +333,9 @@ def test_gateway_retries_never_leave_an_attempt_running(workers, tmp_path_factor
 def test_register_deregister_and_a_worker_killed_mid_stream(workers, tiny_llama_dir, tmp_path_factory):
     victim = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("victim") / "w.log"), env=ONE_THREAD,
                            new_session=True)
-    gw = _start_gateway(workers[:1], tmp_path_factory, "smg_kill", policy="round_robin")
+    gw = None
     try:
+        gw = _start_gateway(workers[:1], tmp_path_factory, "smg_kill", policy="round_robin")
         victim.wait_ready(STARTUP_S)
         # register through the gateway's worker API; it is probed, then routed to
         assert httpx.post(gw.url + "/workers", json={"url": victim.base}).status_code == 202
@@ -369,7 +383,8 @@ def test_register_deregister_and_a_worker_killed_mid_stream(workers, tiny_llama_
         for pid in children:
             _wait(lambda: not pid_alive(pid), 5, "the killed worker's children to exit")
     finally:
-        _stop_gateway(gw)
+        if gw is not None:
+            _stop_gateway(gw)
         if victim.proc.poll() is None:
             victim.stop()
     _wait_idle(workers[:1])
