@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.stop_regex import verify_stop_regex
+
 # top_k <= 0 means "whole vocabulary"; kept as a large sentinel so vector code needs no branch.
 TOP_K_ALL = 1 << 30
 # Structured-output constraints; at most one per request (the grammar queue compiles it).
@@ -29,6 +31,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop when the output matches one of these (SGLang's stop_regex; radixlm/stop_regex.py).
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -59,6 +63,12 @@ class SamplingParams:
             d["stop"] = [d["stop"]]
         if d.get("stop") is None:
             d.pop("stop", None)
+        if isinstance(d.get("stop_regex"), str):
+            d["stop_regex"] = [d["stop_regex"]]
+        if d.get("stop_regex") is None:
+            d.pop("stop_regex", None)
+        elif not isinstance(d["stop_regex"], (list, tuple)):
+            raise ValueError("stop_regex must be a non-empty string or a list of them")
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
         if d.get("max_new_tokens") is None:
@@ -69,6 +79,7 @@ class SamplingParams:
 
     def normalize(self) -> None:
         self.stop = list(self.stop)
+        self.stop_regex = list(self.stop_regex)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.top_k is None or self.top_k <= 0:
             self.top_k = TOP_K_ALL
@@ -118,6 +129,8 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them")
+        if self.stop_regex:
+            verify_stop_regex(self.stop_regex)
         given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         need(len(given) <= 1, f"only one of json_schema, regex and ebnf may be given, got {', '.join(given)}")
         for kind in given:

@@ -73,8 +73,10 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
                 raise ValueError(f"a prompt must be a string, got {type(t).__name__}")
             if not t:
                 raise ValueError("the prompt is empty")
-            ids_list.append(tokenizer.encode(t, add_special_tokens=False) if tokenizer is not None
-                            else None)
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this server runs with "
+                                 "skip_tokenizer_init: send input_ids")
+            ids_list.append(tokenizer.encode(t, add_special_tokens=False))
     else:
         is_batch = bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if is_batch else [input_ids]
@@ -118,6 +120,9 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         else:
             raise ValueError("sampling_params must be a dict")
         sp.verify(vocab_size)
+        if tokenizer is None and (sp.stop or sp.stop_regex or sp.grammar is not None):
+            raise ValueError("stop strings, stop_regex and structured output need a tokenizer, and this "
+                             "server runs with skip_tokenizer_init (stop_token_ids work)")
         start = lsl[i]
         start = -1 if start is None else int(start)
         if rlp[i] and start < 0:

@@ -6,7 +6,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from radixlm.srt.http_utils import ORJSONResponse, parse_body
+from radixlm.srt.http_utils import ORJSONResponse, error_body, parse_body
 from radixlm.srt.weight_serialization import deserialize_named_tensors
 
 
@@ -31,13 +31,25 @@ class WeightVersionBody(BaseModel):
     new_version: str
 
 
+def weight_update_reply(res: dict | None, error: str | None = None) -> ORJSONResponse:
+    """SGLang's answer to a weight update, {success, message, ...}: 200, or 400 on failure (the
+    failure also carries the OpenAI-style `error` object the other routes answer with)."""
+    if error is not None:
+        return ORJSONResponse({"success": False, "message": error, **error_body(error)}, status_code=400)
+    return ORJSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                           "num_paused_requests": 0, **(res or {})})
+
+
 def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await parse_body(request, UpdateFromTensorBody)
         named = deserialize_named_tensors(body.serialized_named_tensors)
-        res = await tm_of(request).update_weights_from_tensor(named, body.flush_cache, body.weight_version)
-        return ORJSONResponse({"success": True, **res})
+        try:
+            res = await tm_of(request).update_weights_from_tensor(named, body.flush_cache, body.weight_version)
+        except ValueError as e:
+            return weight_update_reply(None, str(e))
+        return weight_update_reply(res)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -45,9 +57,9 @@ def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
         try:
             res = await tm_of(request).update_weights_from_disk(body.model_path, body.flush_cache,
                                                                 body.weight_version)
-        except FileNotFoundError as e:
-            raise ValueError(str(e)) from None
-        return ORJSONResponse({"success": True, **res})
+        except (ValueError, FileNotFoundError) as e:
+            return weight_update_reply(None, str(e))
+        return weight_update_reply(res)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from radixlm.config import ServerArgs
 from radixlm.srt.http_rl_routes import add_rl_routes
+from radixlm.srt.http_tokenize_routes import add_tokenize_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
                                     sse_event, validation_message)
@@ -79,6 +80,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
         try:
             yield
@@ -94,6 +96,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_openai_routes(app)
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
+    add_tokenize_routes(app, _ctx)
     add_worker_routes(app, _ctx)
     return app
 
@@ -260,7 +263,7 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 break
             i = chunk.get("index", 0)
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
-            a["text"] += chunk["text"]
+            a["text"] += chunk.get("text", "")
             a["output_ids"].extend(chunk["output_ids"])
             meta = dict(chunk["meta_info"])
             if "output_token_logprobs" in meta:
@@ -268,6 +271,8 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 a["tops"].extend(meta["output_top_logprobs"] or [])
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
             out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+            if "text" not in chunk:  # skip_tokenizer_init: ids only
+                del out["text"]
             if "index" in chunk:
                 out["index"] = i
             yield sse_event(out)

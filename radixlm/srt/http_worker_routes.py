@@ -26,34 +26,8 @@ from typing import Callable
 from fastapi import FastAPI, Request
 
 from radixlm.srt.http_utils import ORJSONResponse
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("radixlm")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-RADIXLM_VERSION = _version()
-
-
-class _Throughput:
-    """Decode tokens per second between two load polls (SGLang reports its last logged
-    value; a poll-to-poll rate needs no timer in the scheduler)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[float, int] | None = None
-        self.value = 0.0
-
-    def update(self, decode_tokens: int) -> float:
-        now = time.monotonic()
-        if self._last is None or now - self._last[0] >= 0.05:
-            if self._last is not None:
-                self.value = max(0, decode_tokens - self._last[1]) / (now - self._last[0])
-            self._last = (now, decode_tokens)
-        return self.value
+from radixlm.srt.metrics_sglang import DecodeRate
+from radixlm.version import __version__ as RADIXLM_VERSION
 
 
 async def server_info(ctx) -> dict:
@@ -67,7 +41,7 @@ async def server_info(ctx) -> dict:
                        "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
     # One engine per worker: a `radixlm serve --dp-size N` fleet registers N workers of
     # dp_size 1 (a dp_size > 1 here would make a dp-aware gateway address ranks we lack).
-    info.update(model_path=tm.model_path, tokenizer_path=args.tokenizer_path or tm.model_path,
+    info.update(model_path=tm.model_path, tokenizer_path=tm.tokenizer_path,
                 version=RADIXLM_VERSION, tp_size=1, dp_size=1, pp_size=1, is_embedding=False,
                 context_length=tm.context_len, max_total_tokens=info["memory"]["capacity"],
                 page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens)
@@ -76,7 +50,7 @@ async def server_info(ctx) -> dict:
 
 def model_info(ctx) -> dict:
     tm = ctx.tm
-    return {"model_path": tm.model_path, "tokenizer_path": ctx.args.tokenizer_path or tm.model_path,
+    return {"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
             "is_generation": True, "context_length": tm.context_len, "vocab_size": tm.vocab_size,
             "served_model_name": ctx.served_model_name, "weight_version": tm.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False}
@@ -104,7 +78,7 @@ def load_snapshot(info: dict, throughput: float) -> dict:
 
 
 def add_worker_routes(app: FastAPI, ctx_of: Callable[[Request], object]) -> None:
-    throughput = _Throughput()
+    throughput = DecodeRate()  # between this worker's load polls
 
     @app.get("/server_info")
     @app.get("/get_server_info")
