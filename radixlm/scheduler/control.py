@@ -159,6 +159,9 @@ def server_info(s: Scheduler) -> dict[str, Any]:
             "paused": s.paused, "overlap": s.overlap, "forward_idle_fraction": round(s.timer.idle_fraction(), 4),
             "memory": s.cache.memory_stats(), "num_running_reqs": reqs.count(Place.RUNNING),
             "num_waiting_reqs": reqs.count(Place.WAITING, Place.CHUNKED),
+            # prefill work still queued, in tokens (the load a fleet gateway balances on)
+            "num_waiting_tokens": sum(r.seqlen for r in reqs.reqs(Place.WAITING))
+            + sum(r.seqlen - r.kv_committed_len for r in reqs.reqs(Place.CHUNKED)),
             "num_grammar_queue_reqs": len(s.grammar_queue), **s.grammar_queue.stats,
             "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
             **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {})}

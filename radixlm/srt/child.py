@@ -71,6 +71,13 @@ def main() -> None:
         run_detokenizer_process(args, ports, reporter)
     else:
         raise SystemExit(f"unknown child kind {kind!r}")
+    # Stopped in order (its sockets are closed): skip the interpreter's finalization, whose
+    # garbage collection over torch's and transformers' module state took ~5 s, long enough
+    # for the launcher to give up waiting and SIGTERM us.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

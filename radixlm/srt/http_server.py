@@ -11,7 +11,6 @@ IPC directory removed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -35,9 +34,9 @@ from radixlm.srt.launch import describe
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
                                     sse_event, validation_message)
-from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                         PauseRequest)
-from radixlm.version import __version__
+from radixlm.srt.http_worker_routes import add_worker_routes
+from radixlm.srt.openai_protocol import (GATEWAY_GENERATE_FIELDS, AbortRequest, ChatCompletionRequest,
+                                         CompletionRequest, GenerateRequest, PauseRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +98,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
     add_tokenize_routes(app, _ctx)
+    add_worker_routes(app, _ctx)
     return app
 
 
@@ -185,7 +185,7 @@ def _add_native_routes(app: FastAPI) -> None:
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
         tm = _ctx(request).tm
-        kw = body.model_dump()
+        kw = body.model_dump(exclude=GATEWAY_GENERATE_FIELDS)
         kw["prompt"] = kw.pop("text")
         agen = tm.generate_request(**kw)
         if not body.stream:
@@ -198,11 +198,13 @@ def _add_native_routes(app: FastAPI) -> None:
                 if err is not None:
                     return error_response(err[1], err[0])
             return ORJSONResponse(out)
-        first = await next_or_disconnect(agen, request.receive)  # input errors → plain 400
+        # An error before anything is streamed (bad input 400, full queue 503, ...) is a plain
+        # HTTP error: a gateway retries a 503 on another worker only if it sees the status.
+        first = await next_or_disconnect(agen, request.receive)
         err = abort_error(first["meta_info"])
-        if err is not None and err[0] == 400:
+        if err is not None:
             await agen.aclose()
-            return error_response(err[1], 400)
+            return error_response(err[1], err[0])
         return SSEResponse(_cumulative_events(first, agen))
 
     @app.post("/abort_request")
@@ -242,26 +244,6 @@ def _add_native_routes(app: FastAPI) -> None:
         if ctx.shutting_down or not ctx.procs.alive():
             return Response(status_code=503)
         return Response(status_code=200 if await _health_generate(ctx.tm) else 503)
-
-    @app.get("/get_model_info")
-    async def get_model_info(request: Request):
-        ctx = _ctx(request)
-        tm = ctx.tm
-        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
-                               "is_generation": True, "context_length": tm.context_len,
-                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name,
-                               "weight_version": tm.weight_version})
-
-    @app.get("/get_server_info")
-    async def get_server_info(request: Request):
-        ctx = _ctx(request)
-        info = await ctx.tm.get_server_info()
-        info["server_args"] = dataclasses.asdict(ctx.args)
-        info["served_model_name"] = ctx.served_model_name
-        info["version"] = __version__
-        info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
-                           "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
-        return ORJSONResponse(info)
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Token-id prompts come before strings so that [1, 2] is read as ids, never coerced to text.
 PromptType = Union[list[list[int]], list[int], list[str], str]
@@ -133,6 +133,28 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     timeout: float | None = None
+    # The SGLang Model Gateway (smg) re-serializes every /generate it forwards and adds these
+    # fields at their defaults. An explicit allow-list: each is accepted at the value that
+    # means "nothing special" and none reaches the engine (GATEWAY_GENERATE_FIELDS).
+    model: str | None = None  # smg routes by it ("unknown" when the client named none)
+    log_metrics: bool = True
+    no_logs: bool = False  # radixlm never logs prompts or outputs
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    return_hidden_states: bool = False
+
+    @field_validator("background", "return_bytes", "return_entropy", "return_hidden_states", mode="before")
+    @classmethod
+    def _default_only(cls, v: Any, info: ValidationInfo) -> bool:
+        if v not in (False, None):
+            raise ValueError(f"{info.field_name}={v!r} is not supported (only false)")
+        return False
+
+
+# Fields of GenerateRequest that are protocol noise from the gateway, not generation input.
+GATEWAY_GENERATE_FIELDS = frozenset({"model", "log_metrics", "no_logs", "background", "return_bytes",
+                                     "return_entropy", "return_hidden_states"})
 
 
 class AbortRequest(BaseModel):

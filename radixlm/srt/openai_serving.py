@@ -306,12 +306,13 @@ class OpenAIServing:
             return ORJSONResponse((self._chat_response if job.chat else self._completion_response)(job, results))
         gens = [self.tm.generate_request(**job.tm_kwargs(p, stream=True)) for p in range(len(job.prompts))]
         merged = merge_streams(gens)
-        # The first chunk is awaited here so that input errors are a plain HTTP 400.
+        # The first chunk is awaited here so that an error before anything is streamed (bad
+        # input 400, full queue 503) is a plain HTTP status, which a gateway can retry.
         first = await next_or_disconnect(merged, receive)
         err = abort_error(first[1]["meta_info"])
-        if err is not None and err[0] == 400:  # rejected by the scheduler: still an input error
+        if err is not None:
             await merged.aclose()
-            raise HTTPError(err[1], status=400)
+            raise HTTPError(err[1], status=err[0])
         return SSEResponse(self._stream_events(job, first, merged))
 
     async def _stream_events(self, job: Job, first: tuple[int, dict], merged: AsyncIterator) -> AsyncIterator[bytes]:

@@ -37,11 +37,12 @@ def pid_alive(pid: int) -> bool:
 class ServerProcess:
     """`python -m radixlm serve` in a subprocess; its output goes to a log file."""
 
-    def __init__(self, model_dir: str, log_path: str, *extra: str, new_session: bool = False) -> None:
+    def __init__(self, model_dir: str, log_path: str, *extra: str, new_session: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **(env or {}))
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "radixlm", "serve", "--model-path", model_dir,
                                       "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *extra],
@@ -342,6 +343,8 @@ def test_timeout_is_503(http):
     with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "max_tokens": 1900, "ignore_eos": True, "timeout": 0.2,
                                                            "stream": True}) as r:
+        if r.status_code == 503:  # timed out before its first token: a plain error
+            return
         events = _sse(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
 
