@@ -105,6 +105,10 @@ class ServerArgs:
     enable_overlap_schedule: bool = _opt("overlap scheduling on a CPU too (default: on with CUDA only; on a "
                                          "small CPU the scheduler thread competes with the model's threads)",
                                          default=False)
+    tp_size: int = _opt("tensor-parallel ranks: one process per rank over torch.distributed (gloo on CPU, "
+                        "NCCL on CUDA, one GPU each); attention is split by KV-head groups", default=1)
+    dist_timeout: float = _opt("seconds a collective between ranks (or with a trainer's weight update group) "
+                               "may wait before failing", default=300.0)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -145,6 +149,10 @@ class ServerArgs:
             raise ValueError("hicache_ratio must be > 0 and hicache_size (GB) >= 0")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.dist_timeout <= 0:
+            raise ValueError("dist_timeout must be > 0 seconds")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):

@@ -76,6 +76,32 @@ class UpdateWeightsFromDiskReq(RpcReq):
 
 
 @dataclass
+class InitWeightsUpdateGroupReq(RpcReq):
+    """Join a trainer's torch.distributed group: this rank is rank_offset + its TP rank."""
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 2
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReq(RpcReq):
+    """Receive each named tensor from the group's rank 0 (the trainer) by broadcast."""
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+
+
+@dataclass
+class DestroyWeightsUpdateGroupReq(RpcReq):
+    group_name: str = "weight_update_group"
+
+
+@dataclass
 class GetWeightsByNameReq(RpcReq):
     name: str = ""
     truncate_size: int = 100

@@ -15,9 +15,11 @@ import torch
 
 from radixlm.config import ServerArgs
 from radixlm.core import FinishReason, Req, ReqStatus
-from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ResumeMemoryReq,
-                              TokenizedGenerateReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+                              FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              ReleaseMemoryReq, ReqOutput, ResumeMemoryReq, TokenizedGenerateReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
@@ -49,6 +51,8 @@ class Scheduler:
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
         self.retraction_policy = args.retraction_policy
+        # The clock of timeouts and queue order; tensor-parallel ranks share rank 0's (rank_sync.py).
+        self.ranks: RankSync = LOCAL_RANK
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -96,6 +100,14 @@ class Scheduler:
         if isinstance(msg, UpdateWeightsFromDiskReq):
             return self._weights_op(lambda: self.runner.update_weights_from_disk(msg.model_path),
                                     msg.flush_cache)
+        if isinstance(msg, UpdateWeightsFromDistributedReq):
+            return self._weights_op(lambda: self.runner.update_weights_from_distributed(
+                msg.names, msg.dtypes, msg.shapes, msg.group_name), msg.flush_cache)
+        if isinstance(msg, InitWeightsUpdateGroupReq):
+            return self.runner.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset,
+                                                         msg.world_size, msg.group_name, msg.backend)
+        if isinstance(msg, DestroyWeightsUpdateGroupReq):
+            return self.runner.destroy_weights_update_group(msg.group_name)
         if isinstance(msg, GetWeightsByNameReq):
             self.sync()
             return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
@@ -110,7 +122,7 @@ class Scheduler:
                   eos_token_ids=frozenset(getattr(self.runner, "eos_token_ids", ())),
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len, extra_key=msg.extra_key,
-                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
+                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout, created_time=self.ranks.now())
         error = self._validate(req)
         if error is not None:
             req.finish_reason = FinishReason.abort(error, status_code=400)
@@ -212,7 +224,7 @@ class Scheduler:
 
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
-        now = time.perf_counter()
+        now = self.ranks.now()
         wait_limit, run_limit = self.args.request_waiting_timeout, self.args.request_running_timeout
 
         def expired(req: Req, waiting: bool) -> str | None:
@@ -437,7 +449,7 @@ class Scheduler:
             self.chunked_req = None  # back in process_prefill_result if a chunk remains
         admitted = {id(r) for r in plan.reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        now = time.perf_counter()
+        now = self.ranks.now()
         for r in plan.reqs:
             if r.admit_time is None:
                 r.admit_time = now

@@ -61,13 +61,18 @@ class Engine:
                              name=f"radixlm-watch-{name}").start()
 
     def _watch_child(self, name: str, proc) -> None:
+        from radixlm.srt.launch import describe
         code = proc.wait()
         if self._closed:
             return
-        logger.error("the %s process exited unexpectedly (code %s)", name, code)
+        # The other ranks would only wait for it in their next collective: stop them; their
+        # exits are consequences, not news.
+        if not self.procs.stop_tp_ranks(name):
+            return
+        logger.error("the %s exited unexpectedly (code %s)", describe(name), code)
         try:
             self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all,
-                                            f"the {name} process exited unexpectedly (code {code})")
+                                            f"the {describe(name)} exited unexpectedly (code {code})")
         except RuntimeError:  # the loop is already closed
             pass
 
@@ -217,6 +222,24 @@ class Engine:
                                  weight_version: str | None = None) -> dict:
         return self._call(self.tokenizer_manager.update_weights_from_disk(model_path, flush_cache,
                                                                           weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """Join a trainer's torch.distributed group as ranks rank_offset .. rank_offset + tp_size - 1
+        (the trainer is rank 0); returns once every member has joined."""
+        return self._call(self.tokenizer_manager.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: str | None = None, abort_all_requests: bool = False) -> dict:
+        """Receive `names` (with these dtypes and shapes, whole) as the trainer broadcasts them on
+        the group; waits for running requests, all or nothing, bumps (or sets) the weight version."""
+        return self._call(self.tokenizer_manager.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, abort_all_requests))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._call(self.tokenizer_manager.destroy_weights_update_group(group_name))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._call(self.tokenizer_manager.get_weights_by_name(name, truncate_size))

@@ -22,6 +22,29 @@ class UpdateFromDiskBody(BaseModel):
     weight_version: str | None = None
 
 
+class InitWeightsUpdateGroupBody(BaseModel):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateFromDistributedBody(BaseModel):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+
+class DestroyWeightsUpdateGroupBody(BaseModel):
+    group_name: str = "weight_update_group"
+
+
 class GetWeightsBody(BaseModel):
     name: str
     truncate_size: int = 100
@@ -60,6 +83,36 @@ def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
         except (ValueError, FileNotFoundError) as e:
             return weight_update_reply(None, str(e))
         return weight_update_reply(res)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        body = await parse_body(request, InitWeightsUpdateGroupBody)
+        try:
+            res = await tm_of(request).init_weights_update_group(
+                body.master_address, body.master_port, body.rank_offset, body.world_size, body.group_name,
+                body.backend)
+        except ValueError as e:
+            return weight_update_reply(None, str(e))
+        return ORJSONResponse(res)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        body = await parse_body(request, UpdateFromDistributedBody)
+        try:
+            res = await tm_of(request).update_weights_from_distributed(
+                body.names, body.dtypes, body.shapes, body.group_name, body.flush_cache, body.weight_version,
+                body.abort_all_requests)
+        except ValueError as e:
+            return weight_update_reply(None, str(e))
+        return weight_update_reply(res)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        body = await parse_body(request, DestroyWeightsUpdateGroupBody)
+        try:
+            return ORJSONResponse(await tm_of(request).destroy_weights_update_group(body.group_name))
+        except ValueError as e:
+            return weight_update_reply(None, str(e))
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):

@@ -30,6 +30,7 @@ from starlette.responses import Response
 from radixlm.config import ServerArgs
 from radixlm.srt.http_rl_routes import add_rl_routes
 from radixlm.srt.http_tokenize_routes import add_tokenize_routes
+from radixlm.srt.launch import describe
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
                                     sse_event, validation_message)
@@ -108,9 +109,9 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
     def on_exit(name: str, code: int | None) -> None:
         if ctx.shutting_down:
             return
-        logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
+        logger.error("the %s exited unexpectedly (code %s); shutting down", describe(name), code)
         ctx.dead_child = name
-        ctx.tm.fail_all(f"the {name} process exited unexpectedly (code {code})")
+        ctx.tm.fail_all(f"the {describe(name)} exited unexpectedly (code {code})")
         signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
 
     def wait(name: str, proc) -> None:

@@ -17,9 +17,10 @@ import zmq.asyncio
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
-from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq,
-                              RpcReply, RpcReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+                              FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
@@ -281,10 +282,43 @@ class TokenizerManager:
         self.model_path = model_path  # what /get_model_info reports from now on (as SGLang does)
         return res
 
-    async def _update_weights(self, req, weight_version: str | None) -> dict:
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict:
+        """Every scheduler rank joins the trainer's group (blocks until all members have)."""
+        req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
+                                        rank_offset=int(rank_offset), world_size=int(world_size),
+                                        group_name=group_name, backend=backend)
+        return await self._rpc_value_error(req, timeout=self.args.dist_timeout + 60)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              abort_all_requests: bool = False) -> dict:
+        """Receive the tensors the trainer broadcasts on `group_name` (it broadcasts them in this
+        order, whole; every rank keeps its shard). Waits for running requests like every update."""
+        from radixlm.srt.distributed.weight_sync import check_update_request
+        check_update_request(names, dtypes, shapes)
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
+        req = UpdateWeightsFromDistributedReq(names=list(names), dtypes=[str(d) for d in dtypes],
+                                              shapes=[list(map(int, s)) for s in shapes], group_name=group_name,
+                                              flush_cache=flush_cache)
+        return await self._update_weights(req, weight_version, timeout=self.args.dist_timeout + 600)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._rpc_value_error(DestroyWeightsUpdateGroupReq(group_name=group_name))
+
+    async def _rpc_value_error(self, req: RpcReq, timeout: float = 60.0) -> Any:
+        try:
+            return await self.rpc(req, timeout=timeout)
+        except RuntimeError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+    async def _update_weights(self, req, weight_version: str | None, timeout: float = 600) -> dict:
         async with self.model_update_lock.write():  # running requests finish first
             try:
-                result = await self.rpc(req, timeout=600)
+                result = await self.rpc(req, timeout=timeout)
             except RuntimeError as e:
                 raise ValueError(str(e).split(": ", 1)[-1]) from None
             self._num_weight_updates += 1

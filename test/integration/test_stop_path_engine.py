@@ -10,7 +10,8 @@ import time
 import pytest
 
 from radixlm import Engine
-from test.engine_checks import abort_stream_after_three_chunks, assert_idle_and_empty, random_prompt
+from test.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, check_storm_outcomes,
+                                random_prompt, run_storm)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -112,22 +113,8 @@ def test_storm(engine, tiny_llama_dir):
             else:
                 engine.abort_request(rng.choice(specs)[0])
 
-    async def go():
-        tasks = [asyncio.ensure_future(one(*s)) for s in specs]
-        await chaos()
-        return [x for r in await asyncio.gather(*tasks) for x in r]
-
-    results = asyncio.run(go())
-    assert len(results) == sum(f for *_, f in specs)
-    aborted = 0
-    for rid, ids, meta in results:
-        ref = reference[rid if rid in reference else rid.rsplit("_", 1)[0]]
-        assert meta["completion_tokens"] == len(ids)
-        if meta["finish_reason"]["type"] == "abort":
-            aborted += 1
-            assert ids == ref[:len(ids)], rid  # a prefix of the undisturbed output
-        else:
-            assert ids == ref, rid  # survivors: exactly the undisturbed output
+    results = run_storm(one, specs, chaos)
+    aborted = check_storm_outcomes(results, reference, sum(f for *_, f in specs))
     assert aborted > 0
     info = engine.get_server_info()
     assert info["cancel_latency_s"]["count"] > 0
