@@ -67,12 +67,15 @@ class CheckIntegrityReq(RpcReq):
 class UpdateWeightsFromTensorReq(RpcReq):
     named_tensors: list = field(default_factory=list)  # [(hf_name, tensor)]
     flush_cache: bool = True
+    # extra_key of requests computed from now on: requests with no KV yet move to it
+    cache_namespace: str | None = None
 
 
 @dataclass
 class UpdateWeightsFromDiskReq(RpcReq):
     model_path: str = ""
     flush_cache: bool = True
+    cache_namespace: str | None = None  # as in UpdateWeightsFromTensorReq
 
 
 @dataclass
