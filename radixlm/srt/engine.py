@@ -162,9 +162,15 @@ class Engine:
                 asyncio.run_coroutine_threadsafe(_run(tm.shut_down, SHUTDOWN_MESSAGE), self._loop).result(5)
             except Exception:
                 logger.exception("answering the callers at shutdown failed")
-            with self._calls_lock:
-                waiting = list(self._calls)
-            concurrent.futures.wait(waiting, timeout=SHUTDOWN_GRACE_S)  # their answers reach them
+            # Their answers reach them; a stream's caller may need a few more calls to read its
+            # last chunks, so wait until no call is in progress (new requests are refused).
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            while time.monotonic() < deadline:
+                with self._calls_lock:
+                    waiting = list(self._calls)
+                if not waiting:
+                    break
+                concurrent.futures.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
         self._closed = True
         with self._calls_lock:
             left = list(self._calls)

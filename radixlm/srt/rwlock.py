@@ -35,6 +35,10 @@ class RWLock:
     def writer_active(self) -> bool:
         return self._writer
 
+    @property
+    def writers_waiting(self) -> int:
+        return sum(not f.done() for f in self._write_waiters)
+
     def freeze_readers(self, frozen: bool) -> None:
         """While frozen, a writer is granted even if readers hold the lock."""
         self._frozen = frozen

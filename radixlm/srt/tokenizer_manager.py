@@ -214,7 +214,8 @@ class TokenizerManager:
         info.update(weight_version=self.weight_version, memory_released=self.memory_released,
                     tokenizer_paused=self.paused,
                     num_tokenizing_reqs=places["tokenizing"] + places[PAUSED] + places[WEIGHT_LOCK],
-                    front_end={**places, "recent_aborts": [list(a) for a in self.table.recent_aborts]})
+                    front_end={**places, "writers_waiting": self.model_update_lock.writers_waiting,
+                               "recent_aborts": [list(a) for a in self.table.recent_aborts]})
         return info
 
     async def check_integrity(self) -> None:
