@@ -503,7 +503,10 @@ def _run_cell(server: ServerProcess, http: httpx.Client, state: str, entry: str,
         STATES[state](cell, rid, stream)
         before = counters(server_info(server))
         final = _apply(cell, entry, before)
-        after = counters(server_info(server))  # the victim has ended: its counters are final
+        # The caller is answered when the front end accepts the abort; the scheduler counts
+        # the request as finished once every batch holding it has resolved.
+        after = counters(wait_info(server, lambda i: cell.place is None or i["num_finished"] > before["num_finished"],
+                                   "the scheduler finished the victim"))
         delta = {k: after[k] - before[k] for k in after}
         want = {k: 0 for k in delta}
         if cell.place is not None:
