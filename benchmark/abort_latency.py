@@ -52,7 +52,7 @@ def prompt(rng: random.Random, vocab: int) -> list[int]:
 def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
     """release wall time - abort time, for the rids of `t0` (scheduler rids are rid#n)."""
     out = []
-    for sched_rid, _sent, released in info["recent_cancels"]:
+    for sched_rid, _sent, released in info.get("recent_cancels", []):  # (absent before issue 17)
         rid = sched_rid.rsplit("#", 1)[0]
         if rid in t0:
             out.append(released - t0[rid])
@@ -61,6 +61,7 @@ def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
 
 # ---------------------------------------------------------------------------- Engine
 def run_engine(args, overlap: bool) -> dict:
+    """The caller is an asyncio program (as RL frameworks are): streams via async_generate."""
     from radixlm import Engine
 
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
@@ -72,44 +73,43 @@ def run_engine(args, overlap: bool) -> dict:
         t0: dict[str, float] = {}
         answer: list[float] = []
         gaps: list[float] = []
-        live: dict[str, threading.Event] = {}
-        lock = threading.Lock()
+        live: dict[str, bool] = {}  # rid -> streaming started
 
-        def consume(rid: str, started: threading.Event) -> None:
+        async def consume(rid: str) -> None:
             last = None
-            for chunk in eng.generate(input_ids=prompt(random.Random(rid), vocab), sampling_params=params,
-                                      rid=rid, stream=True):
+            stream = await eng.async_generate(input_ids=prompt(random.Random(rid), vocab), sampling_params=params,
+                                              rid=rid, stream=True)
+            async for chunk in stream:
                 now = time.time()
-                if last is not None and chunk["output_ids"]:
-                    gaps.append(now - last)
+                if last is not None and chunk["output_ids"] and rid not in t0:
+                    gaps.append((now - last) / len(chunk["output_ids"]))
                 last = now
-                started.set()
+                live[rid] = True
                 if chunk["meta_info"]["finish_reason"] is not None and rid in t0:
-                    with lock:
-                        answer.append(now - t0[rid])
-            with lock:
-                live.pop(rid, None)
+                    answer.append(now - t0[rid])
+            live.pop(rid, None)
 
-        def launch(i: int) -> None:
-            rid = f"e{int(overlap)}-{i}"
-            ev = threading.Event()
-            with lock:
-                live[rid] = ev
-            threading.Thread(target=consume, args=(rid, ev), daemon=True).start()
+        async def go() -> None:
+            tasks = []
 
-        for i in range(args.batch):
-            launch(i)
-        for k in range(args.aborts):
-            time.sleep(rng.uniform(0.5, 1.5) * args.interval)
-            with lock:
-                ready = [r for r, ev in live.items() if ev.is_set()]
-            if not ready:
-                continue
-            rid = rng.choice(ready)
-            t0[rid] = time.time()
-            eng.abort_request(rid)
-            launch(args.batch + k)
-        eng.abort_request(abort_all=True)
+            def launch(i: int) -> None:
+                rid = f"e{int(overlap)}-{i}"
+                live[rid] = False
+                tasks.append(asyncio.ensure_future(consume(rid)))
+            for i in range(args.batch):
+                launch(i)
+            for k in range(args.aborts):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * args.interval)
+                ready = [r for r, started in live.items() if started and r not in t0]
+                if not ready:
+                    continue
+                rid = rng.choice(ready)
+                t0[rid] = time.time()
+                eng.abort_request(rid)
+                launch(args.batch + k)
+            eng.abort_request(abort_all=True)
+            await asyncio.gather(*tasks)
+        asyncio.run(go())
         time.sleep(0.5)
         info = eng.get_server_info()
         return {"engine_abort": {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))},
@@ -224,6 +224,7 @@ def run_http(args, overlap: bool) -> dict:
                 if entry == "http_abort":
                     srv.http.post("/abort_request", json={"rid": s.rid})
                 else:
+                    s.sock.shutdown(socket.SHUT_RDWR)  # (a bare close() waits for the reader's recv)
                     s.sock.close()
                     with lock:
                         live.pop(s.rid, None)
@@ -232,7 +233,7 @@ def run_http(args, overlap: bool) -> dict:
             time.sleep(0.5)
             info = srv.http.get("/get_server_info").json()
             if entry == "http_disconnect":
-                accepted = {rid: t for rid, t in info["front_end"]["recent_aborts"]}
+                accepted = {rid: t for rid, t in info.get("front_end", {}).get("recent_aborts", [])}
                 answer = [accepted[r] - t for r, t in t0.items() if r in accepted]
             results[entry] = {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
         return results

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import httpx
 import pytest
@@ -42,14 +43,20 @@ def http(server):
         yield c
 
 
-def front(server) -> dict:
-    return server_info(server)["front_end"]
+def wait_front(server, key: str, n: int, what: str) -> None:
+    """Until the front end's `key` place counter is n. (On a build without these counters,
+    issue 17's base, a fixed pause instead, so the checks after it fail on the behaviour.)"""
+    if "front_end" not in server_info(server):
+        time.sleep(1.0)
+        return
+    wait_info(server, lambda i: i["front_end"][key] == n, what)
 
 
 def idle(server) -> None:
     wait_info(server, lambda i: i["num_running_reqs"] == 0 and i["num_waiting_reqs"] == 0
-              and i["front_end"]["sent"] == 0 and i["front_end"]["draining"] == 0 and i["memory"]["protected"] == 0,
-              "idle")
+              and i["memory"]["protected"] == 0, "idle")
+    wait_front(server, "sent", 0, "nothing sent")
+    wait_front(server, "draining", 0, "nothing draining")
 
 
 class Post(threading.Thread):
@@ -79,9 +86,9 @@ def behind_the_lock(server, rid: str) -> tuple[Call, Post, Call]:
     a = Call(server, generate_body(f"{rid}-A", fresh_prompt(8), LONG, True))
     a.wait_events(1)
     update = Post(server, "/update_weights_from_tensor", update_body(server))
-    wait_info(server, lambda i: i["front_end"]["writers_waiting"] == 1, "the update waits for A")
+    wait_front(server, "writers_waiting", 1, "the update waits for A")
     b = Call(server, generate_body(rid, fresh_prompt(8), {"max_new_tokens": 5, "temperature": 0}, False))
-    wait_info(server, lambda i: i["front_end"]["weight_lock"] == 1, "waiting for the weight lock")
+    wait_front(server, "weight_lock", 1, "waiting for the weight lock")
     return a, update, b
 
 
@@ -97,13 +104,13 @@ def test_abort_and_disconnect_reach_the_family_never_a_lookalike(server, http):
         fam.finish()
         finals = [e for e in fam.events()[:-1] if e["meta_info"]["finish_reason"] is not None]
         assert sorted(e["index"] for e in finals) == [0, 1]
-        assert front(server)["sent"] == 1  # the look-alike runs on
+        wait_front(server, "sent", 1, "the look-alike runs on")
     finally:
         resume(http)
     gone = Call(server, generate_body("hjob", fresh_prompt(8), LONG, True))
     gone.wait_events(2)
     gone.close()  # the client hangs up: its own request only is aborted
-    wait_info(server, lambda i: i["num_running_reqs"] == 1 and i["front_end"]["sent"] == 1, "the disconnect")
+    wait_info(server, lambda i: i["num_running_reqs"] == 1, "the disconnect")
     assert abort(http, "hjob_1") == 1
     assert terminal_result(lookalike)["meta_info"]["finish_reason"] == USER_ABORT
     idle(server)
@@ -183,7 +190,7 @@ def test_sigterm_answers_every_caller_with_503(server):
     """Last test of the module: a running request and one behind the weight lock."""
     a, update, b = behind_the_lock(server, "hterm")
     plain = Call(server, generate_body("hterm-json", fresh_prompt(8), LONG, False))
-    wait_info(server, lambda i: i["front_end"]["weight_lock"] == 2, "two behind the lock")
+    wait_front(server, "weight_lock", 2, "two behind the lock")
     server.client.close()
     rc, _ = server.stop(timeout=60)  # (an idle server takes ~15 s on a loaded 2-core machine)
     assert rc == 0
