@@ -34,7 +34,7 @@ import time
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 
-from benchmark.common import emit  # noqa: E402
+from benchmark.common import emit
 
 
 def pct(xs: list[float]) -> dict:
@@ -187,58 +187,58 @@ def run_http(args, overlap: bool) -> dict:
     srv = Server(args, overlap)
     try:
         vocab = srv.http.get("/get_model_info").json()["vocab_size"]
-        rng = random.Random(2)
-        params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-        results = {}
-        for entry in ("http_abort", "http_disconnect"):
-            t0: dict[str, float] = {}
-            answer: list[float] = []
-            live: dict[str, Stream] = {}
-            lock = threading.Lock()
-
-            def on_event(rid: str, ev: dict) -> None:
-                fr = (ev.get("meta_info") or {}).get("finish_reason")
-                if fr is not None:
-                    with lock:
-                        if rid in t0 and entry == "http_abort":
-                            answer.append(time.time() - t0[rid])
-                        live.pop(rid, None)
-
-            def launch(i: int) -> None:
-                rid = f"{entry}{int(overlap)}-{i}"
-                body = {"input_ids": prompt(random.Random(rid), vocab), "rid": rid, "stream": True,
-                        "sampling_params": params}
-                with lock:
-                    live[rid] = Stream(srv, rid, body, on_event)
-
-            for i in range(args.batch):
-                launch(i)
-            for k in range(args.aborts):
-                time.sleep(rng.uniform(0.5, 1.5) * args.interval)
-                with lock:
-                    ready = [s for s in live.values() if s.started.is_set()]
-                if not ready:
-                    continue
-                s = rng.choice(ready)
-                t0[s.rid] = time.time()
-                if entry == "http_abort":
-                    srv.http.post("/abort_request", json={"rid": s.rid})
-                else:
-                    s.sock.shutdown(socket.SHUT_RDWR)  # (a bare close() waits for the reader's recv)
-                    s.sock.close()
-                    with lock:
-                        live.pop(s.rid, None)
-                launch(args.batch + k)
-            srv.http.post("/abort_request", json={"abort_all": True})
-            time.sleep(0.5)
-            info = srv.http.get("/get_server_info").json()
-            if entry == "http_disconnect":
-                accepted = {rid: t for rid, t in info.get("front_end", {}).get("recent_aborts", [])}
-                answer = [accepted[r] - t for r, t in t0.items() if r in accepted]
-            results[entry] = {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
-        return results
+        return {entry: run_entry(args, srv, entry, overlap, vocab) for entry in ("http_abort", "http_disconnect")}
     finally:
         srv.stop()
+
+
+def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
+    rng = random.Random(2)
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    t0: dict[str, float] = {}
+    answer: list[float] = []
+    live: dict[str, Stream] = {}
+    lock = threading.Lock()
+
+    def on_event(rid: str, ev: dict) -> None:
+        if (ev.get("meta_info") or {}).get("finish_reason") is not None:
+            with lock:
+                if rid in t0 and entry == "http_abort":
+                    answer.append(time.time() - t0[rid])
+                live.pop(rid, None)
+
+    def launch(i: int) -> None:
+        rid = f"{entry}{int(overlap)}-{i}"
+        body = {"input_ids": prompt(random.Random(rid), vocab), "rid": rid, "stream": True,
+                "sampling_params": params}
+        with lock:
+            live[rid] = Stream(srv, rid, body, on_event)
+
+    for i in range(args.batch):
+        launch(i)
+    for k in range(args.aborts):
+        time.sleep(rng.uniform(0.5, 1.5) * args.interval)
+        with lock:
+            ready = [s for s in live.values() if s.started.is_set()]
+        if not ready:
+            continue
+        s = rng.choice(ready)
+        t0[s.rid] = time.time()
+        if entry == "http_abort":
+            srv.http.post("/abort_request", json={"rid": s.rid})
+        else:
+            s.sock.shutdown(socket.SHUT_RDWR)  # (a bare close() waits for the reader's recv)
+            s.sock.close()
+            with lock:
+                live.pop(s.rid, None)
+        launch(args.batch + k)
+    srv.http.post("/abort_request", json={"abort_all": True})
+    time.sleep(0.5)
+    info = srv.http.get("/get_server_info").json()
+    if entry == "http_disconnect":
+        accepted = {rid: t for rid, t in info.get("front_end", {}).get("recent_aborts", [])}
+        answer = [accepted[r] - t for r, t in t0.items() if r in accepted]
+    return {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
 
 
 def main() -> None:

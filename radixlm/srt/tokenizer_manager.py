@@ -176,6 +176,7 @@ class TokenizerManager:
         ever would) and refuse new ones, instead of leaving callers hanging."""
         self.dead = message
         self._abort_everything(abort_reason(message, 500), tell_scheduler=False)
+        self.table.draining.clear()  # nothing will ever report their end
         self._fail_rpcs(message)
 
     def shut_down(self, message: str) -> int:

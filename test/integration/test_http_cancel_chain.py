@@ -188,7 +188,7 @@ def test_the_caller_is_answered_while_the_scheduler_is_frozen(server, http):
 
 def test_sigterm_answers_every_caller_with_503(server):
     """Last test of the module: a running request and one behind the weight lock."""
-    a, update, b = behind_the_lock(server, "hterm")
+    a, _update, b = behind_the_lock(server, "hterm")
     plain = Call(server, generate_body("hterm-json", fresh_prompt(8), LONG, False))
     wait_front(server, "weight_lock", 2, "two behind the lock")
     server.client.close()
