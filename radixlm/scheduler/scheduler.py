@@ -73,6 +73,8 @@ class Scheduler:
                       "aborts_in_flight": 0, "aborts_grammar": 0, "num_timeouts": 0, "num_rejected": 0}
         # abort call -> KV returned, seconds (bounded window for percentiles)
         self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        # (rid, abort call, KV returned) wall times of the latest cancels (latency benchmarks)
+        self.recent_cancels: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
         # cumulative histogram of the same, for Prometheus
         self.cancel_hist = {"buckets": list(CANCEL_LATENCY_BUCKETS), "counts": [0] * len(CANCEL_LATENCY_BUCKETS),
                             "sum": 0.0, "count": 0}
@@ -96,13 +98,13 @@ class Scheduler:
             return self.resume()
         if isinstance(msg, UpdateWeightsFromTensorReq):
             return self._weights_op(lambda: self.runner.update_weights_from_tensor(msg.named_tensors),
-                                    msg.flush_cache)
+                                    msg.flush_cache, msg.cache_namespace)
         if isinstance(msg, UpdateWeightsFromDiskReq):
             return self._weights_op(lambda: self.runner.update_weights_from_disk(msg.model_path),
-                                    msg.flush_cache)
+                                    msg.flush_cache, msg.cache_namespace)
         if isinstance(msg, UpdateWeightsFromDistributedReq):
             return self._weights_op(lambda: self.runner.update_weights_from_distributed(
-                msg.names, msg.dtypes, msg.shapes, msg.group_name), msg.flush_cache)
+                msg.names, msg.dtypes, msg.shapes, msg.group_name), msg.flush_cache, msg.cache_namespace)
         if isinstance(msg, InitWeightsUpdateGroupReq):
             return self.runner.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset,
                                                          msg.world_size, msg.group_name, msg.backend)
@@ -289,12 +291,27 @@ class Scheduler:
         self.paused = False
         return True
 
-    def _weights_op(self, op, flush: bool) -> dict:
+    def _weights_op(self, op, flush: bool, namespace: str | None = None) -> dict:
         """Weights change only between forwards: the launched batch resolves first. The
         cache is namespaced by weight version, so old KV is never served afterwards."""
         self.sync()
         n = op()
-        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False}
+        live = self._move_to_new_weights(namespace) if namespace is not None else {}
+        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False, "live_output_lens": live}
+
+    def _move_to_new_weights(self, namespace: str) -> dict[str, int]:
+        """Requests are here during an update only if the engine is paused (the front end's
+        lock waits for all others). One with no KV of its own (waiting, retracted, grammar)
+        computes everything under the new weights, so it moves to the new cache namespace;
+        a chunked prefill is retracted first (its chunks are old-weights KV, and it has no
+        token yet); a running (in_place) request keeps its KV and continues on it. Returns
+        each live request's output length at the switch (meta_info["weight_versions"])."""
+        if self.chunked_req is not None:
+            self._retract(self.chunked_req)
+            self.chunked_req = None
+        for req in self.waiting + self.grammar_queue.reqs:
+            req.extra_key = namespace
+        return {r.rid: len(r.output_ids) for r in self.running + self.waiting + self.grammar_queue.reqs}
 
     def _memory_op(self, release: bool) -> bool:
         self.sync()
@@ -412,6 +429,7 @@ class Scheduler:
         for req in batch.reqs:
             if req.inflight == 0 and self.pending_release.pop(id(req), None) is not None:
                 self.cache.release(req, insert=True)
+                self._on_released(req)
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -637,17 +655,24 @@ class Scheduler:
             self.pending_release[id(req)] = req  # a launched batch may still write its KV
         else:
             self.cache.release(req, insert=insert)
-        if req.abort_sent_time is not None and reason.type == "abort":
-            latency = max(0.0, time.time() - req.abort_sent_time)
-            self.cancel_latencies.append(latency)
-            h = self.cancel_hist
-            h["sum"] += latency
-            h["count"] += 1
-            for i, bound in enumerate(h["buckets"]):
-                if latency <= bound:
-                    h["counts"][i] += 1
+            self._on_released(req)
         self.stats["num_finished"] += 1
         self._emit(req)
+
+    def _on_released(self, req: Req) -> None:
+        """Cancel latency: the abort call to the moment the request's KV is returned."""
+        if req.abort_sent_time is None or req.finish_reason is None or req.finish_reason.type != "abort":
+            return
+        now = time.time()
+        latency = max(0.0, now - req.abort_sent_time)
+        self.cancel_latencies.append(latency)
+        self.recent_cancels.append((req.rid, req.abort_sent_time, now))
+        h = self.cancel_hist
+        h["sum"] += latency
+        h["count"] += 1
+        for i, bound in enumerate(h["buckets"]):
+            if latency <= bound:
+                h["counts"][i] += 1
 
     def _maybe_stream(self, req: Req) -> None:
         if req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
@@ -666,7 +691,8 @@ class Scheduler:
         lat = sorted(self.cancel_latencies)
         cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
                   "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
-        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist, "paused": self.paused, "overlap": self.overlap,
+        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist,
+                "recent_cancels": [list(c) for c in self.recent_cancels], "paused": self.paused, "overlap": self.overlap,
                 "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),

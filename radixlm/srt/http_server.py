@@ -44,6 +44,7 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # Uvicorn waits this long for in-flight requests after the abort-all on shutdown.
 GRACEFUL_SHUTDOWN_S = 5
+SHUTDOWN_MESSAGE = "the server is shutting down"
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -87,7 +88,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
             yield
         finally:
             ctx.shutting_down = True
-            ctx.tm.abort_request(abort_all=True)
+            ctx.tm.shut_down(SHUTDOWN_MESSAGE)
             await ctx.tm.close()
 
     app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
@@ -210,8 +211,9 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
+        # The callers hit are answered now; an unknown rid hits 0 and leaves a tombstone.
         n = _ctx(request).tm.abort_request(body.rid, body.abort_all, body.prefix)
-        return ORJSONResponse({"success": True, "num_aborted": n or 0})
+        return ORJSONResponse({"success": True, "num_aborted": n})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request, timeout: float = 1.0):
@@ -331,8 +333,8 @@ def _make_uvicorn_server(app: FastAPI, args: ServerArgs):
         async def shutdown(self, sockets=None) -> None:
             ctx: ServerContext = app.state.ctx
             ctx.shutting_down = True
-            if ctx.tm is not None:
-                ctx.tm.abort_request(abort_all=True)
+            if ctx.tm is not None:  # every caller is answered now (503), wherever its request is
+                ctx.tm.shut_down(SHUTDOWN_MESSAGE)
             getattr(self, "_captured_signals", []).clear()
             await super().shutdown(sockets)
 
