@@ -28,11 +28,14 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from pydantic import ValidationError
+
 from radixlm.config import ServerArgs
 from radixlm.srt.http_rl_routes import add_rl_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, error_body, error_response, next_or_disconnect, parse_body,
-                                    sse_event, validation_message)
+                                    sse_event)
+from radixlm.validation import describe
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
 
@@ -131,7 +134,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         # FastAPI says 422; OpenAI clients (and our contract) expect 400 for any bad body.
-        message, param = validation_message(list(exc.errors()))
+        message, param = describe(list(exc.errors()))
         return error_response(message, 400, param)
 
     @app.exception_handler(HTTPError)
@@ -140,7 +143,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):
+        if isinstance(exc, ValidationError):  # pydantic's, raised outside parse_body
+            message, param = describe(exc)
+            return error_response(message, 400, param)
         return error_response(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # Last resort (the traceback is logged by Starlette): JSON like every other error.
+        return error_response(f"internal error: {type(exc).__name__}", 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):
@@ -180,9 +191,7 @@ def _add_native_routes(app: FastAPI) -> None:
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
         tm = _ctx(request).tm
-        kw = body.model_dump()
-        kw["prompt"] = kw.pop("text")
-        agen = tm.generate_request(**kw)
+        agen = tm.generate_request(**body.generate_kwargs())
         if not body.stream:
             try:
                 out = await next_or_disconnect(agen, request.receive)

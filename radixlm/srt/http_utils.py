@@ -20,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from radixlm.validation import check_nesting, describe
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -58,27 +60,24 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready (the work was aborted)."""
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """A readable message and the OpenAI `param` (the first bad field) from pydantic errors."""
-    def where(e: dict) -> str:
-        return ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-    parts = [f"{where(e)}: {e.get('msg')}" if where(e) else str(e.get("msg")) for e in errors[:5]]
-    return "; ".join(parts) or "invalid request", (where(errors[0]) or None) if errors else None
-
-
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`, whatever the content type says (curl -d sends a form type),
-    or HTTPError(400): malformed JSON and wrong field types are both client errors."""
+    or HTTPError(400): malformed JSON, nesting deeper than --max-json-nesting and wrong field
+    types are all client errors. The body's size was bounded before it was read
+    (http_limits.BodyGuard)."""
     raw = await request.body()
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as e:
         raise HTTPError(f"malformed JSON body: {e}") from e
     try:
+        check_nesting(data, getattr(request.app.state, "max_json_nesting", 64), "the request body")
         return model.model_validate(data)
     except ValidationError as e:
-        message, param = validation_message(e.errors(include_url=False))
+        message, param = describe(e)
         raise HTTPError(message, param=param) from e
+    except ValueError as e:
+        raise HTTPError(str(e)) from e
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict:

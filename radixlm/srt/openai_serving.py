@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator
 from starlette.types import Receive
 
 from radixlm.sampling_params import SamplingParams
+from radixlm.validation import check_top_logprobs_num
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
 from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResponse, abort_error, error_body,
                                     merge_streams, next_or_disconnect, sse_event)
@@ -184,6 +185,10 @@ class OpenAIServing:
              max_tokens: int | None, return_logprob: bool, top_logprobs: int) -> Job:
         if req.model_extra:
             logger.debug("ignoring unsupported request fields: %s", sorted(req.model_extra))
+        try:
+            check_top_logprobs_num(top_logprobs, self.tm.limits, "top_logprobs" if chat else "logprobs")
+        except ValueError as e:
+            raise HTTPError(str(e), param="top_logprobs" if chat else "logprobs") from e
         ctx = self.tm.context_len
         sampling = []
         for ids in prompts:
@@ -234,14 +239,11 @@ class OpenAIServing:
             if getattr(req, name) is not None:
                 d[name] = getattr(req, name)
         if req.logit_bias:
-            try:
-                d["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
-            except ValueError as e:
-                raise HTTPError("logit_bias keys must be token ids", param="logit_bias") from e
+            d["logit_bias"] = dict(req.logit_bias)  # keys already token ids (validation.LogitBias)
         try:  # validate now: a bad value must be a 400 before anything is streamed
-            SamplingParams.from_dict(dict(d)).verify(self.tm.vocab_size)
-        except (ValueError, TypeError) as e:
-            word = str(e).split(" ", 1)[0]
+            SamplingParams.from_dict(dict(d)).verify(self.tm.vocab_size, self.tm.limits)
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0].removeprefix("sampling_params.").rstrip(":")
             raise HTTPError(str(e), param=PARAM_NAMES.get(word, word if word.isidentifier() else None)) from e
         return d
 

@@ -24,6 +24,7 @@ from radixlm.scheduler.abort import abort_matches
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
 from radixlm.srt.rwlock import RWLock
+from radixlm.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,13 @@ def _assign_rids(kw: dict) -> list[str]:
     """Give every prompt of the call its rid now, so an abort can name it while tokenizing."""
     import uuid
     prompt, input_ids = kw.get("prompt"), kw.get("input_ids")
-    n = len(prompt) if isinstance(prompt, list) else (
-        len(input_ids) if input_ids and isinstance(input_ids[0], list) else 1)
+    id_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+    n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if id_batch else 1)
     if kw.get("rid") is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
-        kw["rid"] = rids if (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list))) else rids[0]
+        kw["rid"] = rids if (isinstance(prompt, list) or id_batch) else rids[0]
     rid = kw["rid"]
-    return list(rid) if isinstance(rid, list) else [rid]
+    return [r for r in rid if isinstance(r, str)] if isinstance(rid, list) else [rid]
 
 
 def _aborted_result(rid: str, prompt_tokens: int, weight_version: str) -> dict:
@@ -102,6 +103,7 @@ class TokenizerManager:
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.context_len: int = scheduler_info["max_context_len"]
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        self.limits = RequestLimits.from_args(args)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
@@ -307,7 +309,8 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
-        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len, **kw)
+        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len,
+                                  limits=self.limits, **kw)
 
     async def generate_request(self, *, return_text_in_logprobs: bool = False, **kw) -> AsyncIterator:
         """Yields incremental chunks when streaming, else one final result (a dict, or a list
@@ -370,7 +373,8 @@ class TokenizerManager:
     async def _normalize_async(self, kw: dict):
         # Long texts are tokenized off the event loop so other requests keep flowing.
         prompt = kw.get("prompt")
-        size = sum(map(len, prompt)) if isinstance(prompt, list) else len(prompt or "")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        size = sum(len(t) for t in texts if isinstance(t, str))
         if size < TOKENIZE_INLINE_MAX_CHARS:
             return self.normalize(**kw)
         return await asyncio.get_running_loop().run_in_executor(None, lambda: self.normalize(**kw))
