@@ -163,6 +163,8 @@ class ServerArgs:
                      "max_json_nesting", "max_weights_response_elements"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_json_nesting > 256:  # validation.MAX_NESTING_CEILING
+            raise ValueError("max_json_nesting must be <= 256")
         if self.max_top_logprobs_num < 0:
             raise ValueError("max_top_logprobs_num must be >= 0")
         if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:

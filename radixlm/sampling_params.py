@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.validation import (AdditivePenalty, JsonSchemaInput, LogitBias, MinP, NonNegInt, PositiveInt,
-                                RepetitionPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP,
-                                check_sampling_params, parse_sampling_params)
+                                MAX_NESTING_CEILING, RepetitionPenalty, Seed, Stop, Temperature, TokenId, TopK,
+                                TopP, check_nesting, check_sampling_params, parse_sampling_params)
 
 # top_k <= 0 means "whole vocabulary"; kept as a large sentinel so vector code needs no branch.
 TOP_K_ALL = 1 << 30
@@ -69,6 +69,7 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if isinstance(self.json_schema, (dict, bool)):
+            check_nesting(self.json_schema, MAX_NESTING_CEILING, "json_schema")
             # a string is the compile-cache key; dumps keeps the property order the grammar follows
             self.json_schema = json.dumps(self.json_schema)
 

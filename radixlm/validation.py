@@ -71,6 +71,9 @@ LogitBias = dict[Annotated[Union[int, str], AfterValidator(_token_key)], BiasVal
 JsonSchemaInput = Union[str, dict[str, Any], bool]
 
 STRICT = ConfigDict(strict=True, extra="forbid")
+# No --max-json-nesting may exceed this: deeper values would reach Python's recursion limit
+# in json.dumps, pydantic or xgrammar before any configurable check could run.
+MAX_NESTING_CEILING = 256
 _TYPE_TAGS = ("str", "int", "bool", "float", "dict", "list", "none")
 
 
