@@ -139,6 +139,9 @@ class ReqTextOutput:
     """ReqOutput after detokenization: `new_text` is the newly released text."""
     out: ReqOutput
     new_text: str
+    # The detokenizer could not handle this request and ended it (out.finish_reason is its
+    # 500 abort); the scheduler still runs it until the tokenizer manager's abort arrives.
+    failed: bool = False
 
 
 @dataclass

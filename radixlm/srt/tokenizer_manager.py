@@ -161,6 +161,9 @@ class TokenizerManager:
         st = self._by_sched_rid.get(o.out.rid)
         if st is None:
             return  # the caller is gone (aborted); its terminal output needs no reader
+        if o.failed and not st.abort_sent:  # ended by the detokenizer: stop its generation too
+            st.abort_sent = True
+            self.to_scheduler.send(AbortReq(rids=[st.sched_rid], sent_time=time.time()))
         now = time.perf_counter()
         if o.out.new_token_ids:
             if st.first_token_time is None:

@@ -256,6 +256,7 @@ class ModelRunner:
                 tokens.index_copy_(0, device_tensor(sample_idx, torch.int64, tokens.device), sampled.ids)
             if matchers:  # the host needs these tokens now: this waits for the forward
                 status: list[str | None] = [None] * n
+                batch.grammars_advanced = True
                 for i, st in zip(sample_idx, advance_matchers(matchers, sampled.ids.tolist())):
                     status[i] = st
                 ready["grammar_status"] = status
