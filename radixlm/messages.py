@@ -79,6 +79,7 @@ class UpdateWeightsFromDiskReq(RpcReq):
 class GetWeightsByNameReq(RpcReq):
     name: str = ""
     truncate_size: int = 100
+    max_elements: int | None = None  # refuse a larger answer (HTTP: --max-weights-response-elements)
 
 
 @dataclass

@@ -103,7 +103,7 @@ class Scheduler:
                                     msg.flush_cache)
         if isinstance(msg, GetWeightsByNameReq):
             self.sync()
-            return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
+            return self.runner.get_weights_by_name(msg.name, msg.truncate_size, msg.max_elements)
         if isinstance(msg, ReleaseMemoryReq):
             return self._memory_op(release=True)
         if isinstance(msg, ResumeMemoryReq):

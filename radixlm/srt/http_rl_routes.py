@@ -1,34 +1,55 @@
-"""HTTP endpoints of the RL API: weight updates and reads, weight versions, memory hand-back."""
+"""HTTP endpoints of the RL API: weight updates and reads, weight versions, memory hand-back.
+
+All of them are control routes (http_auth.ADMIN_ROUTES). A failed load from disk tells
+why (no such path, no config.json, not a .gguf, ...) only to a caller that authenticated
+with the admin key: otherwise the route would let anyone probe the file system.
+"""
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
-from radixlm.srt.http_utils import ORJSONResponse, parse_body
+from radixlm.srt.http_auth import auth_of
+from radixlm.srt.http_utils import HTTPError, ORJSONResponse, parse_body
 from radixlm.srt.weight_serialization import deserialize_named_tensors
+
+logger = logging.getLogger(__name__)
+
+STRICT = ConfigDict(strict=True)
 
 
 class UpdateFromTensorBody(BaseModel):
+    model_config = STRICT
     serialized_named_tensors: str
     flush_cache: bool = True
     weight_version: str | None = None
 
 
 class UpdateFromDiskBody(BaseModel):
+    model_config = STRICT
     model_path: str
     flush_cache: bool = True
     weight_version: str | None = None
 
 
 class GetWeightsBody(BaseModel):
+    model_config = STRICT
     name: str
-    truncate_size: int = 100
+    truncate_size: int = Field(default=100, ge=1)
 
 
 class WeightVersionBody(BaseModel):
+    model_config = STRICT
     new_version: str
+
+
+RL_REQUEST_BODIES = {("POST", "/update_weights_from_tensor"): UpdateFromTensorBody,
+                     ("POST", "/update_weights_from_disk"): UpdateFromDiskBody,
+                     ("POST", "/get_weights_by_name"): GetWeightsBody,
+                     ("POST", "/update_weight_version"): WeightVersionBody}
 
 
 def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
@@ -45,14 +66,19 @@ def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
         try:
             res = await tm_of(request).update_weights_from_disk(body.model_path, body.flush_cache,
                                                                 body.weight_version)
-        except FileNotFoundError as e:
-            raise ValueError(str(e)) from None
+        except (ValueError, FileNotFoundError) as e:
+            if auth_of(request).authenticated:
+                raise HTTPError(str(e), param="model_path") from None
+            logger.warning("update_weights_from_disk(%r) failed: %s", body.model_path, e)
+            raise HTTPError("cannot load weights from model_path (the server log has the reason; callers "
+                            "with the admin key are told)", param="model_path") from None
         return ORJSONResponse({"success": True, **res})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):
         body = await parse_body(request, GetWeightsBody)
-        return ORJSONResponse(await tm_of(request).get_weights_by_name(body.name, body.truncate_size))
+        limit = tm_of(request).args.max_weights_response_elements
+        return ORJSONResponse(await tm_of(request).get_weights_by_name(body.name, body.truncate_size, limit))
 
     @app.get("/get_weight_version")
     async def get_weight_version(request: Request):

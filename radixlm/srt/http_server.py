@@ -31,10 +31,12 @@ from starlette.responses import Response
 from pydantic import ValidationError
 
 from radixlm.config import ServerArgs
-from radixlm.srt.http_rl_routes import add_rl_routes
+from radixlm.srt.http_auth import AuthMiddleware, auth_of, is_loopback_bind
+from radixlm.srt.http_limits import BodyGuard, header_timeout_protocol
+from radixlm.srt.http_rl_routes import RL_REQUEST_BODIES, add_rl_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
-                                    abort_error, error_body, error_response, next_or_disconnect, parse_body,
-                                    sse_event)
+                                    abort_error, declare_request_bodies, error_body, error_response,
+                                    next_or_disconnect, parse_body, sse_event)
 from radixlm.validation import describe
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
@@ -45,7 +47,34 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # Uvicorn waits this long for in-flight requests after the abort-all on shutdown.
 GRACEFUL_SHUTDOWN_S = 5
+# Request line + headers (h11 answers 400 beyond).
+MAX_HEADER_BYTES = 64 * 1024
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+# What each route's JSON body is (parsed by parse_body; declared in /openapi.json).
+REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                  ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
+                  ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES}
+# Server args that are secrets or local paths: never in /get_server_info.
+SECRET_ARGS = ("api_key", "admin_api_key")
+PATH_ARGS = ("model_path", "tokenizer_path")
+
+
+def public_server_args(args: ServerArgs) -> dict:
+    d = dataclasses.asdict(args)
+    for name in SECRET_ARGS:
+        if d.get(name) is not None:
+            d[name] = "<set>"
+    return d
+
+
+def redact_paths(info: dict) -> dict:
+    """/get_server_info for callers without admin access: no file system paths."""
+    info = dict(info)
+    info["server_args"] = {k: (None if k in PATH_ARGS else v) for k, v in info["server_args"].items()}
+    info.pop("model_path", None)
+    return info
 
 
 def default_served_model_name(model_path: str) -> str:
@@ -88,15 +117,22 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         finally:
             ctx.shutting_down = True
             ctx.tm.abort_request(abort_all=True)
+            ctx.openai.chat_templates.close()
             await ctx.tm.close()
 
     app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    app.state.max_json_nesting = args.max_json_nesting
     _add_error_handlers(app)
     _add_openai_routes(app)
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
+    declare_request_bodies(app, REQUEST_BODIES)
+    # the last added runs first: keys and origins are checked before any body is read
+    app.add_middleware(BodyGuard, max_bytes=args.max_payload_size, timeout_s=args.http_body_timeout)
+    app.add_middleware(AuthMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                       bind_host=args.host)
     return app
 
 
@@ -259,10 +295,13 @@ def _add_native_routes(app: FastAPI) -> None:
     async def get_server_info(request: Request):
         ctx = _ctx(request)
         info = await ctx.tm.get_server_info()
-        info["server_args"] = dataclasses.asdict(ctx.args)
+        info["server_args"] = public_server_args(ctx.args)
         info["served_model_name"] = ctx.served_model_name
-        info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
-                           "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
+        if auth_of(request).admin:  # paths and pids only for whoever may use the control routes
+            info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
+                               "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
+        else:
+            info = redact_paths(info)
         return ORJSONResponse(info)
 
     @app.get("/metrics")
@@ -357,7 +396,8 @@ def _make_uvicorn_server(app: FastAPI, args: ServerArgs):
     verbose = args.log_level in ("debug", "info")
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
                             access_log=verbose, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=30, http=header_timeout_protocol(args.http_header_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     return Server(config)
 
 
@@ -372,6 +412,9 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [http] %(levelname)s %(name)s: %(message)s")
+    if not is_loopback_bind(args.host) and not (args.api_key or args.admin_api_key):
+        logger.warning("serving on %s without --api-key: anyone who reaches the port can generate, "
+                       "pause, reload weights and abort everything", args.host)
     # Until uvicorn installs its handlers (and after it restores them), SIGTERM must unwind
     # through the `finally` below instead of killing the process with the children's IPC
     # directory left behind.

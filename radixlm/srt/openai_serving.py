@@ -19,6 +19,7 @@ from starlette.types import Receive
 
 from radixlm.sampling_params import SamplingParams
 from radixlm.validation import check_top_logprobs_num
+from radixlm.srt.chat_template import ChatTemplateError, ChatTemplateRenderer
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
 from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResponse, abort_error, error_body,
                                     merge_streams, next_or_disconnect, sse_event)
@@ -79,6 +80,8 @@ class OpenAIServing:
         self.tm = tm
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(tm.tokenizer)
+        self.chat_templates = ChatTemplateRenderer(tm.tokenizer, tm.args.allow_client_chat_template,
+                                                   tm.args.chat_template_timeout)
 
     # ------------------------------------------------------------------ models
     def model_names(self) -> set[str]:
@@ -173,10 +176,11 @@ class OpenAIServing:
                 content = "".join(p.text or "" for p in content)
             messages.append({"role": role, "content": content or ""})
         try:
-            text = tok.apply_chat_template(
-                messages, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            text = await self.chat_templates.render(
+                messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, client_kwargs=req.chat_template_kwargs)
+        except ChatTemplateError as e:
+            raise HTTPError(str(e), param="chat_template_kwargs") from e
         except Exception as e:  # jinja errors: the template rejects these messages
             raise HTTPError(f"cannot apply the chat template: {e}", param="messages") from e
         return (await self._tokenize([text]))[0]

@@ -294,9 +294,10 @@ class TokenizerManager:
     def update_weight_version(self, weight_version: str) -> None:
         self.weight_version = str(weight_version)
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
         try:
-            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
+            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size,
+                                                      max_elements=max_elements))
         except RuntimeError as e:
             raise ValueError(str(e).split(": ", 1)[-1]) from None
 

@@ -155,9 +155,9 @@ class ModelRunner:
         self.model_path = path
         return n
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
         from radixlm.srt.model_runner.weight_updater import WeightUpdater
-        return WeightUpdater(self.model).get(name, truncate_size)
+        return WeightUpdater(self.model).get(name, truncate_size, max_elements)
 
     def release_memory(self) -> None:
         """Free the KV pool; on a GPU also move the weights to host memory."""

@@ -48,11 +48,18 @@ class WeightUpdater:
                 dest.copy_(tensor)
         return len(plan)
 
-    def get(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` rows of the parameter (as SGLang returns them)."""
+    def get(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
+        """The first `truncate_size` rows of the parameter (as SGLang returns them); a
+        ValueError instead when that is more than `max_elements` numbers."""
+        if not isinstance(truncate_size, int) or truncate_size < 1:
+            raise ValueError(f"truncate_size must be a positive integer, got {truncate_size!r}")
         if name == "lm_head.weight" and self.model.lm_head is None:
             name = "model.embed_tokens.weight"  # tied: the head is the embedding
         dest = self.target(name)
         if dest is None:
             raise ValueError(f"weight {name!r} is not stored by the model")
-        return dest[:truncate_size].float().tolist()
+        part = dest[:truncate_size]
+        if max_elements is not None and part.numel() > max_elements:
+            raise ValueError(f"{name} truncated to {truncate_size} rows has {part.numel()} elements, more than "
+                             f"{max_elements} (server flag --max-weights-response-elements); ask for fewer rows")
+        return part.float().tolist()
