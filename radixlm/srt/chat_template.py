@@ -102,8 +102,11 @@ class ChatTemplateRenderer:
             self._worker.kill()
         self._worker = None
 
-    def close(self) -> None:
-        self._kill()
+    async def aclose(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None and worker.returncode is None:
+            worker.kill()
+            await worker.wait()
 
 
 def _worker_main() -> None:

@@ -91,7 +91,7 @@ class ServerContext:
     tm: Any = None
     openai: Any = None
     shutting_down: bool = False
-    dead_child: str | None = None  # a runtime process that exited while we were serving
+    dead_child: str | None = None  # which runtime process exited while we were serving, and how
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -117,7 +117,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         finally:
             ctx.shutting_down = True
             ctx.tm.abort_request(abort_all=True)
-            ctx.openai.chat_templates.close()
+            await ctx.openai.chat_templates.aclose()
             await ctx.tm.close()
 
     app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
@@ -144,7 +144,7 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
         if ctx.shutting_down:
             return
         logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
-        ctx.dead_child = name
+        ctx.dead_child = f"{name} process died (exit code {code})"
         ctx.tm.fail_all(f"the {name} process exited unexpectedly (code {code})")
         signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
 
@@ -428,7 +428,9 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
         if not server.started:
             raise SystemExit("the HTTP server failed to start (is the port in use?)")
         if app.state.ctx.dead_child:
-            raise SystemExit(f"stopped: the {app.state.ctx.dead_child} process died")
+            # exit status 1: a supervisor restarts the server (docs/error_boundary.md, "Crash policy")
+            raise SystemExit(f"radixlm: stopped: the {app.state.ctx.dead_child}; every request in flight was "
+                             "answered with a 500; restart the server")
     except KeyboardInterrupt:
         pass
     finally:
