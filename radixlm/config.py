@@ -111,6 +111,8 @@ class ServerArgs:
                                "/health* and /metrics", default=None)
     admin_api_key: str | None = _opt("key for the control routes (pause, weights, memory, flush, abort); "
                                      "without it they take --api-key", default=None)
+    allowed_hosts: str | None = _opt("more Host names (comma-separated) a browser may use to reach a server "
+                                     "bound to a loopback address, e.g. behind a reverse proxy", default=None)
     max_payload_size: int = _opt("largest HTTP request body in bytes (413 beyond)", default=16 * 1024 * 1024)
     max_n: int = _opt("largest n (choices per prompt) a request may ask for", default=128)
     max_sequences_per_request: int = _opt("largest prompts x n of one call", default=8192)

@@ -13,8 +13,11 @@ Browsers: a page on another site can make the user's browser POST to a loopback 
 host name that resolves to 127.0.0.1. So a state-changing request (any POST/PUT/PATCH/
 DELETE, and any request to an admin route) that a browser marks as cross-origin (an
 `Origin` that is not the request's own host, or `Sec-Fetch-Site: cross-site/same-site`)
-is refused (403), and a server bound to a loopback address answers only requests whose
-`Host` is a loopback name. Clients that are not browsers send neither header.
+is refused (403), and a server bound to a loopback address answers a browser's request only
+when its `Host` is a loopback name (or one of --allowed-hosts, e.g. behind a reverse proxy).
+A request is a browser's when it carries `Origin` or `Sec-Fetch-Site` (every current browser
+sends one of them); other clients (curl, SDKs, proxies' health checks) send neither and are
+not affected.
 
 `AuthInfo` (request.state.auth) tells handlers what the caller proved: `admin` (may use
 the control routes) and `authenticated` (presented a key that grants it): error details that
@@ -94,11 +97,13 @@ def _host_name(host_header: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def browser_refusal(method: str, level: str, headers: dict[str, str], loopback: bool) -> str | None:
+def browser_refusal(method: str, level: str, headers: dict[str, str], loopback: bool,
+                    allowed_hosts: tuple[str, ...] = ()) -> str | None:
     """Why a request that looks like a browser's cross-origin one is refused, or None."""
     host = headers.get("host", "")
-    if loopback and host and _host_name(host) not in LOOPBACK_NAMES:
-        return f"host {host!r} is not this server's (bound to a loopback address)"
+    browser = "origin" in headers or "sec-fetch-site" in headers
+    if browser and loopback and _host_name(host) not in LOOPBACK_NAMES + allowed_hosts:
+        return f"host {host!r} is not this server's (bound to a loopback address; see --allowed-hosts)"
     if method in SAFE_METHODS and level != "admin":
         return None
     site = headers.get("sec-fetch-site", "").lower()
@@ -114,11 +119,13 @@ def browser_refusal(method: str, level: str, headers: dict[str, str], loopback: 
 class AuthMiddleware:
     """ASGI middleware (not BaseHTTPMiddleware: that would hide client disconnects)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, bind_host: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, bind_host: str,
+                 allowed_hosts: str | None = None) -> None:
         self.app = app
         self.api_key = api_key or None
         self.admin_api_key = admin_api_key or None
         self.loopback = is_loopback_bind(bind_host)
+        self.allowed_hosts = tuple(h.strip().lower() for h in (allowed_hosts or "").split(",") if h.strip())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -126,7 +133,7 @@ class AuthMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         level = route_level(scope["path"])
-        why = browser_refusal(scope["method"], level, headers, self.loopback)
+        why = browser_refusal(scope["method"], level, headers, self.loopback, self.allowed_hosts)
         if why is not None:
             await error_response(why, 403)(scope, receive, send)
             return

@@ -132,7 +132,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     # the last added runs first: keys and origins are checked before any body is read
     app.add_middleware(BodyGuard, max_bytes=args.max_payload_size, timeout_s=args.http_body_timeout)
     app.add_middleware(AuthMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key,
-                       bind_host=args.host)
+                       bind_host=args.host, allowed_hosts=args.allowed_hosts)
     return app
 
 

@@ -274,6 +274,9 @@ def test_cross_origin_browser_requests_cannot_change_state(server, headers):
 
 
 def test_dns_rebinding_host_is_refused(server):
-    r = httpx.get(server.base + "/get_model_info", headers={**U, "Host": f"evil.example:{server.port}"})
+    browser = {**U, "Sec-Fetch-Site": "same-origin"}  # a page served from evil.example, rebound to 127.0.0.1
+    r = httpx.get(server.base + "/get_model_info", headers={**browser, "Host": f"evil.example:{server.port}"})
     assert r.status_code == 403
-    assert httpx.get(f"http://localhost:{server.port}/get_model_info", headers=U).status_code == 200
+    assert httpx.get(f"http://localhost:{server.port}/get_model_info", headers=browser).status_code == 200
+    # not a browser: a raw client may send any Host
+    assert httpx.get(server.base + "/get_model_info", headers={**U, "Host": "x"}).status_code == 200

@@ -42,13 +42,21 @@ def test_route_levels_and_key_headers():
     ("GET", "admin", {"host": "localhost:3", "sec-fetch-site": "cross-site"}, True, True),
     ("GET", "normal", {"host": "localhost:3", "sec-fetch-site": "cross-site"}, True, False),  # a read
     ("POST", "normal", {"host": "localhost:3", "sec-fetch-site": "same-origin"}, True, False),
-    ("GET", "normal", {"host": "rebound.example:3"}, True, True),
-    ("GET", "normal", {"host": "[::1]:3"}, True, False),
+    ("GET", "normal", {"host": "rebound.example:3", "sec-fetch-site": "same-origin"}, True, True),  # DNS rebinding
+    ("GET", "normal", {"host": "x"}, True, False),  # not a browser (raw sockets, proxies' checks)
+    ("GET", "normal", {"host": "[::1]:3", "sec-fetch-site": "same-origin"}, True, False),
     ("GET", "normal", {"host": "my.server:3"}, False, False),  # a public bind knows no host names
     ("POST", "normal", {"host": "my.server:3", "origin": "null"}, False, True),
 ])
 def test_browser_refusals(method, level, headers, loopback, refused):
     assert (browser_refusal(method, level, headers, loopback) is not None) is refused
+
+
+def test_allowed_hosts_behind_a_proxy():
+    h = {"host": "llm.example.com", "origin": "https://llm.example.com", "sec-fetch-site": "same-origin"}
+    assert browser_refusal("POST", "normal", h, True) is not None
+    assert browser_refusal("POST", "normal", {**h, "origin": "http://llm.example.com"}, True, ("llm.example.com",)) \
+        is None
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
