@@ -85,6 +85,23 @@ def emit(result: dict, out_path: str | None) -> None:
             f.write(text + "\n")
 
 
+def add_quality_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--logits-check", action="store_true",
+                    help="also measure the radixlm mode's logits vs float32 (micro/logits_check.py: teacher-forced "
+                         "top-1 agreement and KL over 4 chat prompts x 32 decode steps) into radixlm.quality")
+
+
+def mode_quality(ours: dict, decode_steps: int = 32) -> dict:
+    """logits_check of the mode a radixlm result ran in (its dtype, quantization, KV cache
+    dtype and attention backend), summarized: the quality figure that sits next to its speed."""
+    sys.path.insert(0, os.path.join(BENCH_DIR, "micro"))
+    from logits_check import check
+    res = check(ours["dtype"], ours.get("quantization"), ours.get("kv_cache_dtype") or "auto",
+                ours.get("attention_backend") or "cpu", decode_steps, kv_baseline=False)
+    return {"reference": "float32, torch_native attention, model-dtype KV cache", "mode": res["mode"],
+            "decode_steps": res["decode_steps"], **res["summary"]}
+
+
 # ---------------------------------------------------------------------------- peers
 def add_peer_args(ap: argparse.ArgumentParser, choices: tuple[str, ...] = PEER_NAMES) -> None:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME[,NAME...]",
@@ -120,16 +137,25 @@ def setup_commands(peer: str, venv: str | None = None) -> list[str]:
                 f"{venv}/bin/pip uninstall -y torchvision torchaudio torchcodec"]
     if peer == "llamacpp":
         return [f"python -m venv {venv}",
-                'CMAKE_ARGS="' + LLAMACPP_CMAKE_ARGS + '" CFLAGS="' + LLAMACPP_CFLAGS + '" CXXFLAGS="'
+                'CMAKE_ARGS="' + llamacpp_cmake_args() + '" CFLAGS="' + LLAMACPP_CFLAGS + '" CXXFLAGS="'
                 + LLAMACPP_CFLAGS + f'" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 {venv}/bin/pip install '
                 "--no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36"]
     return []
 
 
-LLAMACPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                       "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF "
-                       "-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-                       "-DLLAMA_CURL=OFF")
+def llamacpp_cmake_args() -> str:
+    """llama.cpp's build flags for this CPU: AVX-512 (VNNI/BF16/VBMI) where it has them, else
+    AVX2 + FMA; never AMX, never tuned to the build machine beyond that."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            avx512 = " avx512f " in f.read()
+    except OSError:
+        avx512 = False
+    x512 = "ON" if avx512 else "OFF"
+    return ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+            f"-DGGML_AVX512={x512} -DGGML_AVX512_VBMI={x512} -DGGML_AVX512_VNNI={x512} -DGGML_AVX512_BF16={x512} "
+            "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF "
+            "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF")
 LLAMACPP_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 

@@ -1,6 +1,9 @@
 """Offline throughput: N chat prompts, greedy, EOS ignored; prints one JSON object.
 
-    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--quantization w8a8_int8] [--kv-cache-dtype int8] [--repeats 5] [--peer hf,vllm,llamacpp] [--out F.json]
+    python benchmark/offline_throughput.py --num-prompts 32 --output-len 128 [--quantization w8a8_int8] [--kv-cache-dtype int8] [--repeats 5] [--peer hf,vllm,llamacpp] [--logits-check] [--out F.json]
+
+--logits-check adds radixlm.quality: the mode's logits vs float32 (micro/logits_check.py), so a
+mode that trades quality for speed shows both in the same JSON.
 
 Each --peer generates the same prompts (same token ids, greedy, EOS ignored, exactly
 --output-len tokens each) in the same run, and the ratio of output tokens/s is reported
@@ -19,8 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_peer_args, agreement, emit, hf_generate, load_hf, parse_peers,  # noqa: E402
-                    run_engine_peer)
+from common import (add_peer_args, add_quality_arg, agreement, emit, hf_generate, load_hf,  # noqa: E402
+                    mode_quality, parse_peers, run_engine_peer)
 from peers.peer_io import cached_tokens_total, throughput_fields  # noqa: E402
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
@@ -109,6 +112,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=None, help="radixlm KV page size (default: the engine's)")
     ap.add_argument("--repeats", type=int, default=1, help="radixlm runs of the workload; the median is reported")
     add_peer_args(ap)
+    add_quality_arg(ap)
     ap.add_argument("--compare-hf", action="store_true", help="alias of --peer hf")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--hf-batch-size", type=int, default=32)
@@ -130,6 +134,8 @@ def main() -> None:
     ours = run_radixlm(prompts, args.output_len, engine_kwargs, args.repeats)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours
+    if args.logits_check:
+        ours["quality"] = mode_quality(ours)
     if "hf" in peers:
         hf = run_hf(prompts, args.output_len, model_path, args.hf_batch_size)
         hf_outputs = hf.pop("outputs")

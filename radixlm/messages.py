@@ -128,6 +128,7 @@ class DetokParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    stop_regex: tuple[str, ...] = ()
 
 
 @dataclass

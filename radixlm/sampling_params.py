@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.validation import (AdditivePenalty, JsonSchemaInput, LogitBias, MinP, NonNegInt, PositiveInt,
-                                MAX_NESTING_CEILING, RepetitionPenalty, Seed, Stop, Temperature, TokenId, TopK,
-                                TopP, check_nesting, check_sampling_params, parse_sampling_params)
+                                MAX_NESTING_CEILING, RepetitionPenalty, Seed, Stop, StopRegexInput, Temperature,
+                                TokenId, TopK, TopP, check_nesting, check_sampling_params, parse_sampling_params)
 
 # top_k <= 0 means "whole vocabulary"; kept as a large sentinel so vector code needs no branch.
 TOP_K_ALL = 1 << 30
@@ -36,6 +36,8 @@ class SamplingParams:
     # a single string is accepted as input and kept as a one-element list
     stop: list[str] = field(default_factory=list, metadata={"input": Stop})
     stop_token_ids: list[TokenId] = field(default_factory=list)
+    # Stop when the output matches one of these (SGLang's stop_regex; radixlm/stop_regex.py).
+    stop_regex: list[str] = field(default_factory=list, metadata={"input": StopRegexInput})
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -63,6 +65,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = list(self.stop_regex)
         self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.top_k, int) and self.top_k <= 0:
             self.top_k = TOP_K_ALL

@@ -52,6 +52,8 @@ MAX_STOP_STRINGS = 64
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 Stop = Union[StopString, StopList]
+# stop_regex patterns: sizes and syntax are checked by radixlm/stop_regex.verify_stop_regex
+StopRegexInput = Union[Annotated[str, Field(min_length=1)], list[Annotated[str, Field(min_length=1)]]]
 
 
 def _token_key(key: int | str) -> int:
@@ -184,6 +186,9 @@ def check_sampling_params(sp: "SamplingParams", vocab_size: int | None = None,
         raise value_error(e, "sampling_params") from None
     need(sp.min_new_tokens <= sp.max_new_tokens,
          f"min_new_tokens ({sp.min_new_tokens}) must be <= max_new_tokens ({sp.max_new_tokens})")
+    if sp.stop_regex:
+        from radixlm.stop_regex import verify_stop_regex
+        verify_stop_regex(sp.stop_regex)
     need(sp.n <= limits.max_n, f"n must be at most {limits.max_n} (server flag --max-n), got {sp.n}")
     given = [k for k in GRAMMAR_KINDS if getattr(sp, k) is not None]
     need(len(given) <= 1, f"only one of json_schema, regex and ebnf may be given, got {', '.join(given)}")

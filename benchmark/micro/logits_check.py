@@ -83,6 +83,41 @@ def summarize(rows: list[dict]) -> dict:
             "prefill_top1_agreement": round(sum(r["prefill"]["top1_equal"] for r in rows) / len(rows), 4)}
 
 
+CHECK_TEXTS = ["What is the capital of France?", "Explain photosynthesis to a child.",
+               "Write a short essay about the Silk Road.", "List five facts about volcanoes."]
+
+
+def check(dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto", backend: str = "torch_native",
+          decode_steps: int = 32, kv_baseline: bool = True) -> dict:
+    """The mode's logits against float32 on the chat prompts of CHECK_TEXTS (what main prints;
+    also called by the throughput benchmarks so that each mode's quality sits next to its
+    speed in the results JSON)."""
+    from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
+    tok = load_tokenizer(resolve_model_path(None))
+    prompts = []
+    for t in CHECK_TEXTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    steps = max(1, decode_steps)
+    ref, tokens = run("float32", prompts, steps)
+
+    def measure(kv: str) -> dict:
+        got, _ = run(dtype, prompts, steps, backend, quantization, kv, forced=tokens)
+        rows = [compare(r, g) for r, g in zip(ref, got)]
+        return {"summary": summarize(rows), "per_prompt": rows}
+
+    mode = {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype,
+            "attention_backend": backend}
+    result = {"reference": {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
+                            "attention_backend": "torch_native"},
+              "mode": mode, "dtype": dtype, "quantization": quantization,
+              "kv_cache_dtype": kv_cache_dtype, "decode_steps": steps,
+              "prompt_tokens": [len(p) for p in prompts], **measure(kv_cache_dtype)}
+    if kv_cache_dtype != "auto" and kv_baseline:
+        result["kv_auto_baseline"] = measure("auto")["summary"]
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", help="the mode's dtype (the reference is float32)")
@@ -94,31 +129,8 @@ def main() -> None:
                     help="with --kv-cache-dtype int8: skip the same mode with the model-dtype KV cache")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
-    from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
-    tok = load_tokenizer(resolve_model_path(None))
-    texts = ["What is the capital of France?", "Explain photosynthesis to a child.",
-             "Write a short essay about the Silk Road.", "List five facts about volcanoes."]
-    prompts = []
-    for t in texts:
-        ids = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    steps = max(1, args.decode_steps)
-    ref, tokens = run("float32", prompts, steps)
-
-    def measure(kv: str) -> dict:
-        got, _ = run(args.dtype, prompts, steps, args.backend, args.quantization, kv, forced=tokens)
-        rows = [compare(r, g) for r, g in zip(ref, got)]
-        return {"summary": summarize(rows), "per_prompt": rows}
-
-    mode = {"dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-            "attention_backend": args.backend}
-    result = {"reference": {"dtype": "float32", "quantization": None, "kv_cache_dtype": "auto",
-                            "attention_backend": "torch_native"},
-              "mode": mode, "dtype": args.dtype, "quantization": args.quantization,
-              "kv_cache_dtype": args.kv_cache_dtype, "decode_steps": steps,
-              "prompt_tokens": [len(p) for p in prompts], **measure(args.kv_cache_dtype)}
-    if args.kv_cache_dtype != "auto" and not args.no_kv_baseline:
-        result["kv_auto_baseline"] = measure("auto")["summary"]
+    result = check(args.dtype, args.quantization, args.kv_cache_dtype, args.backend, args.decode_steps,
+                   kv_baseline=not args.no_kv_baseline)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -70,8 +70,10 @@ class CacheManager:
         fill = req.fill_ids
         limit = len(fill) - 1
         if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
-            # input logprobs from logprob_start_len need those positions computed
-            limit = min(limit, req.logprob_start_len)
+            # The logprob of prompt token s comes from position s - 1's hidden state, so input
+            # logprobs from s need positions s - 1 onwards computed (SGLang stops the match at
+            # s and reports token s as None; we compute it).
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
         if limit <= 0:
             return PrefixMatch(torch.empty(0, dtype=torch.int64), self.tree.root)
         res = self.tree.match_prefix(RadixKey(fill[:limit], req.extra_key))

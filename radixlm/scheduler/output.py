@@ -3,30 +3,44 @@ from __future__ import annotations
 
 from radixlm.core import FinishReason, Req
 from radixlm.messages import DetokParams, ReqOutput
+from radixlm.stop_regex import first_match, max_match_chars
 
 
 class StopStringChecker:
-    """Finds stop strings in the decoded tail of a request's output.
+    """Finds stop strings and stop regexes in the decoded tail of a request's output.
 
     Checked after every token, so a match can only end in the newest token; decoding the
     last len(stop) + 8 tokens covers it (a token decodes to at least one byte; the extra
-    tokens cover multi-byte characters split across tokens)."""
+    tokens cover multi-byte characters split across tokens). A regex with a bounded match
+    length gets the same window over its bound; an unbounded one sees the whole output."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
     def check(self, req: Req) -> None:
-        stops = req.sampling_params.stop
-        if not stops or req.finished or self.tokenizer is None:
+        sp = req.sampling_params
+        stops, regexes = sp.stop, sp.stop_regex
+        if not (stops or regexes) or req.finished or self.tokenizer is None:
             return
-        if len(req.output_ids) < req.sampling_params.min_new_tokens:
+        if len(req.output_ids) < sp.min_new_tokens:
             return
-        window = max(len(s) for s in stops) + 8
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=False)
+        widths = [len(s) for s in stops] + [max_match_chars(p) for p in regexes]
+        window = None if None in widths else max(widths) + 8
+        tail = self.tokenizer.decode(req.output_ids if window is None else req.output_ids[-window:],
+                                     skip_special_tokens=False)
         for s in stops:
             if s in tail:
                 req.finish_reason = FinishReason("stop", matched=s)
                 return
+        if regexes:
+            try:
+                hit = first_match(regexes, tail)
+            except TimeoutError:
+                req.finish_reason = FinishReason.abort("a stop_regex pattern took too long to match",
+                                                       status_code=400)
+                return
+            if hit is not None:
+                req.finish_reason = FinishReason("stop", matched=hit[2])  # the pattern, as SGLang reports it
 
 
 def append_token(req: Req, token: int, logprob: float | None,
@@ -52,7 +66,7 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
     if start == 0 and not req.detok_sent:
         sp = req.sampling_params
         out.detok = DetokParams(tuple(sp.stop), sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                                sp.no_stop_trim)
+                                sp.no_stop_trim, tuple(sp.stop_regex))
         req.detok_sent = True
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]

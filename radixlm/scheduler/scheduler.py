@@ -558,7 +558,7 @@ class Scheduler:
                     self.chunked_req = None
                 self._finish(req, req.to_finish, insert=True)
                 continue
-            if result.input_logprobs[i] is not None:
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
                 with self.boundary.guard(req, "recording its prompt logprobs"):
                     self._record_input_logprobs(req, batch, i, result)
                 if req.finished:  # that failed: the request ends here
@@ -619,7 +619,8 @@ class Scheduler:
             if req.top_logprobs_num > 0:
                 req.input_top_logprobs.append(None)
         targets = batch.input_logprob_targets[i]
-        for j, (lp, tok) in enumerate(zip(result.input_logprobs[i], targets)):
+        # none computed in this chunk (e.g. a one-token prompt): only the entry above applies
+        for j, (lp, tok) in enumerate(zip(result.input_logprobs[i] or [], targets)):
             req.input_token_logprobs.append((lp, tok))
             if req.top_logprobs_num > 0:
                 req.input_top_logprobs.append(result.input_top_logprobs[i][j])

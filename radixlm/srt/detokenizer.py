@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixlm.stop_regex import first_match, partial_start
+
 @dataclass
 class IncrementalDetokenizer:
     tokenizer: object
@@ -15,6 +17,7 @@ class IncrementalDetokenizer:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
+    stop_regex: list[str] = field(default_factory=list)
 
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded, stable text so far (before stop trimming)
@@ -44,27 +47,47 @@ class IncrementalDetokenizer:
 
     def _release(self, finished: bool) -> str:
         end = len(self.text)
-        if self.stop:
+        if self.stop or self.stop_regex:
             hit = self._first_stop()
             if hit is not None:
-                pos, s = hit
-                end = pos + len(s) if self.no_stop_trim else pos
+                start, stop_end = hit
+                end = stop_end if self.no_stop_trim else start
                 self.stopped = True
             elif not finished:
                 end -= self._held_back()
+                end = min(end, self._regex_hold_start())
         end = max(end, self.sent)
         delta = self.text[self.sent:end]
         self.sent = end
         return delta
 
-    def _first_stop(self) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
+    def _first_stop(self) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string or stop regex match in the text."""
+        best: tuple[int, int] | None = None
         for s in self.stop:
             # a stop string cannot lie entirely inside text already released
             pos = self.text.find(s, max(0, self.sent - len(s) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
+                best = (pos, pos + len(s))
+        if self.stop_regex:
+            try:
+                # released text never holds the start of a (partial) match: search after it
+                m = first_match(self.stop_regex, self.text, self.sent)
+            except TimeoutError:  # the scheduler fails such a request; release as plain text
+                m = None
+            if m is not None and (best is None or m[0] < best[0]):
+                best = (m[0], m[1])
         return best
+
+    def _regex_hold_start(self) -> int:
+        """Where text that more tokens could still turn into a stop_regex match begins."""
+        if not self.stop_regex:
+            return len(self.text)
+        try:
+            start = partial_start(self.stop_regex, self.text, self.sent)
+        except TimeoutError:
+            return len(self.text)
+        return len(self.text) if start is None else start
 
     def _held_back(self) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop string."""
@@ -82,8 +105,9 @@ class IncrementalDetokenizer:
 
 
 def finalize_text(tokenizer, ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                  no_stop_trim: bool = False) -> str:
+                  no_stop_trim: bool = False, stop_regex: list[str] | None = None) -> str:
     """Whole-output decode for non-streaming requests."""
-    det = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens, no_stop_trim)
+    det = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens, no_stop_trim,
+                                 stop_regex=list(stop_regex or []))
     det.add(ids, finished=True)
     return det.output_text

@@ -51,10 +51,12 @@ class DetokenizerManager:
         if det is None:
             p = o.detok or DetokParams()
             det = IncrementalDetokenizer(self.tokenizer, list(p.stop), p.skip_special_tokens,
-                                         p.no_stop_trim, p.spaces_between_special_tokens)
+                                         p.no_stop_trim, p.spaces_between_special_tokens,
+                                         list(p.stop_regex))
             self.states[o.rid] = det
         finished = o.finish_reason is not None
-        text = det.add(o.new_token_ids, finished=finished)
+        # no tokenizer (skip_tokenizer_init): ids pass through, there is no text
+        text = det.add(o.new_token_ids, finished=finished) if self.tokenizer is not None else ""
         if finished:
             del self.states[o.rid]
         return text
@@ -68,7 +70,8 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:
         from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
         receiver = Receiver(ctx, ports.detokenizer_input)
         to_tokenizer = Sender(ctx, ports.tokenizer_input)
-        manager = DetokenizerManager(load_tokenizer(args.tokenizer_path or resolve_model_path(args.model_path)))
+        manager = DetokenizerManager(None if args.skip_tokenizer_init else
+                                     load_tokenizer(args.tokenizer_path or resolve_model_path(args.model_path)))
         ready.send({"status": "ready"})
     except Exception as e:
         ready.error(e)

@@ -98,6 +98,9 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                 raise ValueError(f"a prompt must be a string, got {type(t).__name__}")
             if not t:
                 raise ValueError("the prompt is empty")
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, and this server runs with "
+                                 "skip_tokenizer_init: send input_ids")
         n = len(texts)
     else:
         if not isinstance(input_ids, list):
@@ -125,8 +128,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
 
     params = [_sampling_params(sp, vocab_size, limits) for sp in sps]
     if prompt is not None:  # the costly part, once the cheap checks passed
-        ids_list = [tokenizer.encode(t, add_special_tokens=False) if tokenizer is not None else None
-                    for t in texts]
+        ids_list = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     else:
         ids_list = input_ids if is_batch else [input_ids]
     items = []
@@ -142,6 +144,9 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
             raise ValueError(f"input token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
         sp = params[i]
         check_context(len(ids), sp.max_new_tokens if _explicit_max_new_tokens(sps[i]) else None, context_len)
+        if tokenizer is None and (sp.stop or sp.stop_regex or sp.grammar is not None):
+            raise ValueError("stop strings, stop_regex and structured output need a tokenizer, and this "
+                             "server runs with skip_tokenizer_init (stop_token_ids work)")
         _check_flag(rlp[i], "return_logprob")
         start = lsl[i]
         if start is not None and (not isinstance(start, int) or isinstance(start, bool)):

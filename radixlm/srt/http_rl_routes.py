@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixlm.srt.http_auth import auth_of
-from radixlm.srt.http_utils import HTTPError, ORJSONResponse, parse_body
+from radixlm.srt.http_utils import ORJSONResponse, error_body, parse_body
 from radixlm.srt.weight_serialization import deserialize_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -52,13 +52,25 @@ RL_REQUEST_BODIES = {("POST", "/update_weights_from_tensor"): UpdateFromTensorBo
                      ("POST", "/update_weight_version"): WeightVersionBody}
 
 
+def weight_update_reply(res: dict | None, error: str | None = None) -> ORJSONResponse:
+    """SGLang's answer to a weight update, {success, message, ...}: 200, or 400 on failure (the
+    failure also carries the OpenAI-style `error` object the other routes answer with)."""
+    if error is not None:
+        return ORJSONResponse({"success": False, "message": error, **error_body(error)}, status_code=400)
+    return ORJSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                           "num_paused_requests": 0, **(res or {})})
+
+
 def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         body = await parse_body(request, UpdateFromTensorBody)
         named = deserialize_named_tensors(body.serialized_named_tensors)
-        res = await tm_of(request).update_weights_from_tensor(named, body.flush_cache, body.weight_version)
-        return ORJSONResponse({"success": True, **res})
+        try:
+            res = await tm_of(request).update_weights_from_tensor(named, body.flush_cache, body.weight_version)
+        except ValueError as e:
+            return weight_update_reply(None, str(e))
+        return weight_update_reply(res)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -68,11 +80,11 @@ def add_rl_routes(app: FastAPI, tm_of: Callable[[Request], object]) -> None:
                                                                 body.weight_version)
         except (ValueError, FileNotFoundError) as e:
             if auth_of(request).authenticated:
-                raise HTTPError(str(e), param="model_path") from None
+                return weight_update_reply(None, str(e))
             logger.warning("update_weights_from_disk(%r) failed: %s", body.model_path, e)
-            raise HTTPError("cannot load weights from model_path (the server log has the reason; callers "
-                            "with the admin key are told)", param="model_path") from None
-        return ORJSONResponse({"success": True, **res})
+            return weight_update_reply(None, "cannot load weights from model_path (the server log has the "
+                                             "reason; callers with the admin key are told)")
+        return weight_update_reply(res)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):

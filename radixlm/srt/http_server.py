@@ -34,12 +34,14 @@ from radixlm.config import ServerArgs
 from radixlm.srt.http_auth import AuthMiddleware, auth_of, is_loopback_bind
 from radixlm.srt.http_limits import BodyGuard, header_timeout_protocol
 from radixlm.srt.http_rl_routes import RL_REQUEST_BODIES, add_rl_routes
+from radixlm.srt.http_tokenize_routes import TOKENIZE_REQUEST_BODIES, add_tokenize_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
                                     abort_error, declare_request_bodies, error_body, error_response,
                                     next_or_disconnect, parse_body, sse_event)
 from radixlm.validation import describe
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
+from radixlm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # What each route's JSON body is (parsed by parse_body; declared in /openapi.json).
 REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
                   ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
-                  ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES}
+                  ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
 # Server args that are secrets or local paths: never in /get_server_info.
 SECRET_ARGS = ("api_key", "admin_api_key")
 PATH_ARGS = ("model_path", "tokenizer_path")
@@ -111,6 +113,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
         try:
             yield
@@ -128,6 +131,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     _add_openai_routes(app)
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
+    add_tokenize_routes(app, _ctx)
     declare_request_bodies(app, REQUEST_BODIES)
     # the last added runs first: keys and origins are checked before any body is read
     app.add_middleware(BodyGuard, max_bytes=args.max_payload_size, timeout_s=args.http_body_timeout)
@@ -287,9 +291,10 @@ def _add_native_routes(app: FastAPI) -> None:
     async def get_model_info(request: Request):
         ctx = _ctx(request)
         tm = ctx.tm
-        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": ctx.args.tokenizer_path or tm.model_path,
+        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
                                "is_generation": True, "context_length": tm.context_len,
-                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name})
+                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name,
+                               "weight_version": tm.weight_version})
 
     @app.get("/get_server_info")
     async def get_server_info(request: Request):
@@ -297,6 +302,7 @@ def _add_native_routes(app: FastAPI) -> None:
         info = await ctx.tm.get_server_info()
         info["server_args"] = public_server_args(ctx.args)
         info["served_model_name"] = ctx.served_model_name
+        info["version"] = __version__
         if auth_of(request).admin:  # paths and pids only for whoever may use the control routes
             info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
                                "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
@@ -323,7 +329,7 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 break
             i = chunk.get("index", 0)
             a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
-            a["text"] += chunk["text"]
+            a["text"] += chunk.get("text", "")
             a["output_ids"].extend(chunk["output_ids"])
             meta = dict(chunk["meta_info"])
             if "output_token_logprobs" in meta:
@@ -331,6 +337,8 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 a["tops"].extend(meta["output_top_logprobs"] or [])
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
             out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
+            if "text" not in chunk:  # skip_tokenizer_init: ids only
+                del out["text"]
             if "index" in chunk:
                 out["index"] = i
             yield sse_event(out)

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the runtime (prefix `radixlm:`), one registry per TokenizerManager.
+"""Prometheus metrics of the runtime (prefix `radixlm:`), one registry per TokenizerManager;
+the same registry also carries SGLang's names (`sglang:`, metrics_sglang.py).
 
 Counters and latency histograms are recorded where requests are seen (the tokenizer
 manager); scheduler gauges are read from the scheduler when /metrics is scraped.
@@ -8,6 +9,8 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixlm.srt.metrics_sglang import SGLangMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 
@@ -29,7 +32,9 @@ class _CancelLatencyCollector:
 
 
 class RuntimeMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default") -> None:
+        # the `model_name` label of the sglang: metrics (the HTTP server sets its served name)
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
         self.requests = Counter("radixlm:num_requests", "requests received", registry=r)
         self.aborted = Counter("radixlm:num_aborted_requests", "requests that ended with abort", registry=r)
@@ -58,6 +63,7 @@ class RuntimeMetrics:
                                   "share of time the model waited on the scheduler between forwards", registry=r)
         self._prompt = 0
         self._cached = 0
+        self.sglang = SGLangMetrics(r, lambda: self.model_name)
 
     def on_request(self, prompt_tokens: int) -> None:
         self.requests.inc()
@@ -66,17 +72,23 @@ class RuntimeMetrics:
 
     def observe_ttft(self, s: float) -> None:
         self.ttft.observe(s)
+        self.sglang.observe_ttft(s)
 
-    def observe_itl(self, s: float) -> None:
+    def observe_itl(self, s: float, num_tokens: int = 1) -> None:
         self.itl.observe(s)
+        self.sglang.observe_itl(s, num_tokens)
 
     def on_finish(self, state, out) -> None:
         self.generation_tokens.inc(out.completion_tokens)
         self.cached_tokens.inc(out.cached_tokens)
         self._cached += out.cached_tokens
-        self.e2e.observe(max(0.0, time.perf_counter() - state.start))
-        if out.finish_reason and out.finish_reason.get("type") == "abort":
+        e2e = max(0.0, time.perf_counter() - state.start)
+        self.e2e.observe(e2e)
+        aborted = bool(out.finish_reason and out.finish_reason.get("type") == "abort")
+        if aborted:
             self.aborted.inc()
+        ttft = state.first_token_time - state.start if state.first_token_time is not None else None
+        self.sglang.on_finish(out.prompt_tokens, out.completion_tokens, out.cached_tokens, e2e, ttft, aborted)
 
     def render(self, scheduler_info: dict | None) -> bytes:
         if scheduler_info:
@@ -90,5 +102,7 @@ class RuntimeMetrics:
                 self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
             self._last_hist = scheduler_info.get("cancel_latency_hist")
             self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))
-        self.cache_hit_rate.set(self._cached / self._prompt if self._prompt else 0.0)
+        hit_rate = self._cached / self._prompt if self._prompt else 0.0
+        self.cache_hit_rate.set(hit_rate)
+        self.sglang.update(scheduler_info, hit_rate)
         return generate_latest(self.registry)

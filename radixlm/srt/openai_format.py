@@ -102,14 +102,18 @@ def completion_logprobs(entries: Sequence[Triple], tops: Sequence[Sequence[Tripl
         out.tokens.append(text)
         out.token_logprobs.append(None if lp is None else float(lp))
         top = tops[i] if tops is not None and i < len(tops) else None
-        # Several token ids may decode to the same text; the best logprob wins the key.
+        # OpenAI (and vLLM): the `logprobs` most likely tokens plus always the sampled one, so
+        # `logprobs: 0` gives {sampled: lp} and k gives up to k + 1 entries. Several token ids
+        # may decode to the same text; the best logprob wins the key. The first prompt token
+        # (echo) has no logprob and stays null.
         alts: dict[str, float] | None = None
-        if top:
+        if lp is not None:
             alts = {}
-            for alp, _atok, atext in top:
+            for alp, _atok, atext in top or []:
                 key = atext or ""
                 if key not in alts or alp > alts[key]:
                     alts[key] = float(alp)
+            alts.setdefault(text, float(lp))
         out.top_logprobs.append(alts)
         out.text_offset.append(offset)
         offset += len(text)

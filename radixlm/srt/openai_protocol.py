@@ -16,8 +16,8 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from radixlm.validation import (AdditivePenalty, JsonSchemaInput, LogitBias, MinP, NonNegInt, PositiveInt,
-                                PositiveSeconds, RepetitionPenalty, Seed, Stop, Temperature, TokenId, TopK, TopP,
-                                sampling_params_input_model)
+                                PositiveSeconds, RepetitionPenalty, Seed, Stop, StopRegexInput, Temperature, TokenId,
+                                TopK, TopP, sampling_params_input_model)
 
 # Token-id prompts come before strings so that [1, 2] is read as ids, never coerced to text.
 PromptType = Union[list[list[int]], list[int], list[str], str]
@@ -65,6 +65,7 @@ class _SamplingRequest(_Request):
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
     stop_token_ids: list[TokenId] | None = None
+    stop_regex: StopRegexInput | None = None
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None  # per-request deadline in seconds (503 when exceeded)
     # structured output: OpenAI's response_format, or SGLang's direct constraints
@@ -91,6 +92,29 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's earlier calls
+    tool_call_id: str | None = None  # a tool turn answers this call
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -98,8 +122,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: NonNegInt | None = None
     logprobs: bool | None = False
     top_logprobs: NonNegInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -222,9 +247,34 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: id, type and name come in the call's first delta."""
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -247,6 +297,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -18,9 +18,14 @@ from typing import Any, AsyncIterator
 from starlette.types import Receive
 
 from radixlm.sampling_params import SamplingParams
+from radixlm.sampling_params import GRAMMAR_KINDS
 from radixlm.validation import check_top_logprobs_num
 from radixlm.srt.chat_template import ChatTemplateError, ChatTemplateRenderer
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
+from radixlm.srt.function_call.formats import select_format
+from radixlm.srt.function_call.stream import CallArgs, CallStart, Text, ToolCallStream
+from radixlm.srt.function_call.tool_choice import (ToolChoiceError, ToolPlan, plan_tools, template_tool_calls,
+                                                   template_tools)
 from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResponse, abort_error, error_body,
                                     merge_streams, next_or_disconnect, sse_event)
 from radixlm.srt.openai_format import (TokenBytes, chat_logprobs, completion_logprobs, finish_reason_str,
@@ -28,8 +33,9 @@ from radixlm.srt.openai_format import (TokenBytes, chat_logprobs, completion_log
 from radixlm.srt.openai_protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                          ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice,
                                          CompletionChoice, CompletionRequest, CompletionResponse,
-                                         CompletionStreamResponse, DeltaMessage, ModelCard, ModelList,
-                                         _SamplingRequest)
+                                         CompletionStreamResponse, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                         FunctionCall, ModelCard, ModelList, PromptTokensDetails, ToolCall,
+                                         UsageInfo, _SamplingRequest)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,8 @@ class Job:
     include_usage: bool
     timeout: float | None
     created: int = field(default_factory=lambda: int(time.time()))
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    tools: ToolPlan | None = None  # set when the output is read for tool calls
 
     @property
     def num_choices(self) -> int:
@@ -80,8 +88,11 @@ class OpenAIServing:
         self.tm = tm
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(tm.tokenizer)
-        self.chat_templates = ChatTemplateRenderer(tm.tokenizer, tm.args.allow_client_chat_template,
-                                                   tm.args.chat_template_timeout)
+        self.chat_templates = ChatTemplateRenderer(tm.tokenizer, getattr(tm.args, "allow_client_chat_template", False),
+                                                   getattr(tm.args, "chat_template_timeout", 5.0))
+        # how tool calls are read for tool_choice=auto: the flag's format, else the template's
+        self.tool_format = select_format(getattr(tm.args, "tool_call_parser", None),
+                                         getattr(tm.tokenizer, "chat_template", None))
 
     # ------------------------------------------------------------------ models
     def model_names(self) -> set[str]:
@@ -89,7 +100,8 @@ class OpenAIServing:
         return {self.served_model_name, path, os.path.basename(path.rstrip("/"))}
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.served_model_name, root=self.tm.model_path,
+        # root is the served name, as vLLM and SGLang report it (not a file-system path)
+        return ModelList(data=[ModelCard(id=self.served_model_name, root=self.served_model_name,
                                          max_model_len=self.tm.context_len)])
 
     def check_model(self, name: str | None) -> str:
@@ -98,8 +110,14 @@ class OpenAIServing:
         return self.served_model_name
 
     # ------------------------------------------------------------------ entry points
+    def _need_tokenizer(self) -> None:
+        if self.tm.tokenizer is None:
+            raise HTTPError("the OpenAI routes need a tokenizer, and this server runs with --skip-tokenizer-init: "
+                            "use /generate with input_ids")
+
     async def create_completion(self, req: CompletionRequest, receive: Receive):
         model = self.check_model(req.model)
+        self._need_tokenizer()
         if req.suffix:
             raise HTTPError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -116,18 +134,27 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, receive: Receive):
         model = self.check_model(req.model)
-        if req.tools:
-            raise HTTPError("tools are not supported", param="tools")
+        self._need_tokenizer()
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
+        except ToolChoiceError as e:
+            raise HTTPError(str(e), param=e.param) from e
         if req.top_logprobs and not req.logprobs:
             raise HTTPError("top_logprobs requires logprobs=true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise HTTPError("max_tokens and max_completion_tokens differ", param="max_completion_tokens")
-        ids = await self._chat_prompt(req)
+        ids = await self._chat_prompt(req, plan.template_tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = self._job(req, chat=True, model=model, prompts=[ids], max_tokens=max_tokens,
-                        return_logprob=req.logprobs, top_logprobs=req.top_logprobs or 0)
+                        return_logprob=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                        forced_schema=plan.json_schema)
+        job.tools = plan if plan.fmt is not None else None
         return await self._serve(job, req.stream, receive)
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt ids a chat request gets (chat template, tools): /tokenize uses it."""
+        return await self._chat_prompt(req, template_tools(req.tools, req.tool_choice))
 
     # ------------------------------------------------------------------ preparation
     async def _tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -160,7 +187,7 @@ class OpenAIServing:
         texts = [self.tm.tokenizer.decode(ids) for ids in prompt]
         return [list(ids) for ids in prompt], texts
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         tok = self.tm.tokenizer
         if not getattr(tok, "chat_template", None):
             raise HTTPError("this model has no chat template; use /v1/completions", param="messages")
@@ -174,11 +201,19 @@ class OpenAIServing:
                 if any(p.type != "text" for p in content):
                     raise HTTPError("only text content parts are supported", param=f"messages[{i}].content")
                 content = "".join(p.text or "" for p in content)
-            messages.append({"role": role, "content": content or ""})
+            message = {"role": role, "content": content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = template_tool_calls(m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
         try:
             text = await self.chat_templates.render(
                 messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, client_kwargs=req.chat_template_kwargs)
+                continue_final_message=req.continue_final_message, client_kwargs=req.chat_template_kwargs,
+                tools=tools)
         except ChatTemplateError as e:
             raise HTTPError(str(e), param="chat_template_kwargs") from e
         except Exception as e:  # jinja errors: the template rejects these messages
@@ -186,7 +221,8 @@ class OpenAIServing:
         return (await self._tokenize([text]))[0]
 
     def _job(self, req: _SamplingRequest, *, chat: bool, model: str, prompts: list[list[int]],
-             max_tokens: int | None, return_logprob: bool, top_logprobs: int) -> Job:
+             max_tokens: int | None, return_logprob: bool, top_logprobs: int,
+             forced_schema: str | None = None) -> Job:
         if req.model_extra:
             logger.debug("ignoring unsupported request fields: %s", sorted(req.model_extra))
         try:
@@ -205,7 +241,7 @@ class OpenAIServing:
                 raise HTTPError(f"This model's maximum context length is {ctx} tokens. However, you "
                                 f"requested {len(ids) + want} tokens ({len(ids)} in the prompt, {want} "
                                 f"in the completion).", param="max_tokens")
-            sampling.append(self._sampling(req, want))
+            sampling.append(self._sampling(req, want, forced_schema))
         base = req.rid if isinstance(req.rid, str) else uuid.uuid4().hex
         if isinstance(req.rid, list):
             if len(req.rid) != len(prompts):
@@ -214,14 +250,17 @@ class OpenAIServing:
         else:
             rids = [base] if len(prompts) == 1 else [f"{base}_{p}" for p in range(len(prompts))]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # SGLang's rule: continuous_usage_stats alone puts usage in every chunk (vLLM also wants
+        # include_usage); include_usage adds the final usage-only chunk
+        continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         if req.stream_options is not None and not req.stream:
             raise HTTPError("stream_options is only allowed with stream=true", param="stream_options")
         return Job(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + base, model=model, rids=rids,
                    prompts=prompts, echo_texts=[], sampling=sampling, n=req.n, return_logprob=return_logprob,
                    top_logprobs=top_logprobs, logprob_start_len=None, include_usage=include_usage,
-                   timeout=req.timeout)
+                   timeout=req.timeout, continuous_usage=continuous_usage)
 
-    def _sampling(self, req: _SamplingRequest, max_tokens: int) -> dict:
+    def _sampling(self, req: _SamplingRequest, max_tokens: int, forced_schema: str | None = None) -> dict:
         d: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "n": req.n,
                              "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
                              "spaces_between_special_tokens": req.spaces_between_special_tokens,
@@ -235,6 +274,8 @@ class OpenAIServing:
             d["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.stop_token_ids:
             d["stop_token_ids"] = list(req.stop_token_ids)
+        if req.stop_regex is not None:
+            d["stop_regex"] = req.stop_regex
         try:
             d.update(response_format_to_sampling_params(req.response_format))
         except ValueError as e:
@@ -242,6 +283,11 @@ class OpenAIServing:
         for name in ("json_schema", "regex", "ebnf"):
             if getattr(req, name) is not None:
                 d[name] = getattr(req, name)
+        if forced_schema is not None:  # tool_choice required / named: the grammar writes the calls
+            if any(k in d for k in GRAMMAR_KINDS):
+                raise HTTPError("tool_choice 'required' or a named function cannot be combined with "
+                                "response_format, json_schema, regex or ebnf", param="tool_choice")
+            d["json_schema"] = forced_schema
         if req.logit_bias:
             d["logit_bias"] = dict(req.logit_bias)  # keys already token ids (validation.LogitBias)
         try:  # validate now: a bad value must be a 400 before anything is streamed
@@ -279,10 +325,13 @@ class OpenAIServing:
         started: set[int] = set()
         offsets = [0] * job.num_choices
         finals: list[dict | None] = [None] * job.num_choices
+        tool_streams = [ToolCallStream(job.tools.fmt, job.tools.tool_names) for _ in range(job.num_choices)] \
+            if job.tools is not None else None
         try:
             if job.chat:  # OpenAI sends the role in a first chunk of its own, per choice
                 for i in range(job.num_choices):
-                    yield self._chat_chunk(job, i, DeltaMessage(role="assistant", content=""))
+                    usage = self._running_usage(job, {"prompt_tokens": len(job.prompts[i // job.n])})
+                    yield self._chat_chunk(job, i, DeltaMessage(role="assistant", content=""), usage=usage)
             item: tuple[int, dict] | None = first
             while item is not None:
                 p, chunk = item
@@ -293,7 +342,8 @@ class OpenAIServing:
                     yield sse_event(error_body(err[1], err[0]))
                     yield SSE_DONE
                     return
-                event, offsets[i] = self._delta_event(job, i, chunk, i not in started, offsets[i])
+                event, offsets[i] = self._delta_event(job, i, chunk, i not in started, offsets[i],
+                                                      tool_streams[i] if tool_streams else None)
                 started.add(i)
                 if event is not None:
                     yield event
@@ -316,17 +366,27 @@ class OpenAIServing:
         finally:
             await merged.aclose()
 
-    def _delta_event(self, job: Job, i: int, chunk: dict, is_first: bool, offset: int) -> tuple[bytes | None, int]:
+    def _delta_event(self, job: Job, i: int, chunk: dict, is_first: bool, offset: int,
+                     tool_stream: ToolCallStream | None = None) -> tuple[bytes | None, int]:
         meta = chunk["meta_info"]
         fr = meta.get("finish_reason")
         text = chunk["text"]
         entries = meta.get("output_token_logprobs") or [] if job.return_logprob else []
         tops = meta.get("output_top_logprobs") if job.return_logprob else None
+        usage = self._running_usage(job, meta)
         if job.chat:
-            if not text and not entries and fr is None:
+            calls = None
+            fr_name = finish_reason_str(fr)
+            if tool_stream is not None:
+                text, calls = _tool_deltas(tool_stream.feed(text, final=fr is not None))
+                if fr_name == "stop" and tool_stream.any_call:
+                    fr_name = "tool_calls"
+            if not text and not calls and not entries and fr is None:
                 return None, offset
             lp = chat_logprobs(entries, tops, job.top_logprobs, self.token_bytes) if job.return_logprob else None
-            return self._chat_chunk(job, i, DeltaMessage(content=text), lp, fr), offset
+            content = text if text or not calls else None
+            return self._chat_chunk(job, i, DeltaMessage(content=content, tool_calls=calls),
+                                    lp, fr, usage=usage, finish_reason=fr_name), offset
         prefix_lp = None
         if is_first and job.echo_texts:
             text = job.echo_texts[i // job.n] + text
@@ -344,15 +404,28 @@ class OpenAIServing:
         choice = CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=finish_reason_str(fr),
                                   matched_stop=matched_stop(fr))
         return sse_event(CompletionStreamResponse(id=job.id, created=job.created, model=job.model,
-                                                  choices=[choice]).model_dump()), offset
+                                                  choices=[choice], usage=usage).model_dump()), offset
 
-    def _chat_chunk(self, job: Job, i: int, delta: DeltaMessage, logprobs=None, fr: dict | None = None) -> bytes:
-        choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason_str(fr),
-                                  matched_stop=matched_stop(fr))
+    @staticmethod
+    def _running_usage(job: Job, meta: dict) -> UsageInfo | None:
+        """Usage so far of one choice, for continuous_usage_stats."""
+        if not job.continuous_usage:
+            return None
+        prompt, done = int(meta.get("prompt_tokens", 0)), int(meta.get("completion_tokens", 0))
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=int(meta.get("cached_tokens", 0))))
+
+    def _chat_chunk(self, job: Job, i: int, delta: DeltaMessage, logprobs=None, fr: dict | None = None,
+                    usage: UsageInfo | None = None, finish_reason: str | None = None) -> bytes:
+        finish_reason = finish_reason or finish_reason_str(fr)
+        choice = ChatStreamChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                  matched_stop=None if finish_reason == "tool_calls" else matched_stop(fr))
         body = ChatCompletionStreamResponse(id=job.id, created=job.created, model=job.model,
-                                            choices=[choice]).model_dump()
+                                            choices=[choice], usage=usage).model_dump()
         d = body["choices"][0]["delta"]  # OpenAI omits the role after the first chunk
         body["choices"][0]["delta"] = {k: v for k, v in d.items() if v is not None}
+        if delta.tool_calls:  # and the fields a call's later deltas do not repeat
+            body["choices"][0]["delta"]["tool_calls"] = [c.model_dump(exclude_none=True) for c in delta.tool_calls]
         return sse_event(body)
 
     # ------------------------------------------------------------------ non-streaming bodies
@@ -386,7 +459,32 @@ class OpenAIServing:
                 lp = chat_logprobs(meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs"),
                                    job.top_logprobs, self.token_bytes)
             fr = meta.get("finish_reason")
-            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=r["text"]), logprobs=lp,
-                                      finish_reason=finish_reason_str(fr), matched_stop=matched_stop(fr)))
+            message, fr_name = ChatResponseMessage(content=r["text"]), finish_reason_str(fr)
+            if job.tools is not None:
+                parsed = ToolCallStream(job.tools.fmt, job.tools.tool_names).parse(r["text"])
+                calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                         for c in parsed.calls]
+                message = ChatResponseMessage(content=parsed.content, tool_calls=calls or None)
+                if calls and fr_name == "stop":
+                    fr_name = "tool_calls"
+            choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=fr_name,
+                                      matched_stop=None if fr_name == "tool_calls" else matched_stop(fr)))
         return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
                                       usage=usage_from([r["meta_info"] for r in results], job.n)).model_dump()
+
+
+def _tool_deltas(events) -> tuple[str, list[DeltaToolCall] | None]:
+    """A chunk's normal text and its tool-call deltas (OpenAI's shape: id, type and name in a
+    call's first delta, then argument pieces), one entry per call index touched."""
+    text = ""
+    calls: dict[int, DeltaToolCall] = {}
+    for e in events:
+        if isinstance(e, Text):
+            text += e.text
+        elif isinstance(e, CallStart):
+            calls[e.index] = DeltaToolCall(index=e.index, id=e.id, type="function",
+                                           function=DeltaFunctionCall(name=e.name, arguments=""))
+        elif isinstance(e, CallArgs):
+            d = calls.setdefault(e.index, DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments="")))
+            d.function.arguments = (d.function.arguments or "") + e.fragment
+    return text, list(calls.values()) or None

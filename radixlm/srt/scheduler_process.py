@@ -25,7 +25,8 @@ def build_scheduler(args: ServerArgs, send_output):
     from radixlm.srt.weights.loader import load_tokenizer
 
     runner = ModelRunner(args)
-    tokenizer = load_tokenizer(args.tokenizer_path or runner.model_path)
+    # without one (skip_tokenizer_init) stop strings and grammars are refused at validation
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or runner.model_path)
     sched_runner = runner
     if args.enable_hierarchical_cache:  # HiCache: host tier under the radix cache (radixlm/hicache)
         from radixlm.hicache import LoadFencedRunner, build_hiradix_cache

@@ -102,7 +102,10 @@ class TokenizerManager:
         self.model_path: str = scheduler_info["model_path"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.context_len: int = scheduler_info["max_context_len"]
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        # the tokenizer stays the one loaded at start, whatever weights are loaded later
+        self.tokenizer_path: str = args.tokenizer_path or self.model_path
+        # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         self.limits = RequestLimits.from_args(args)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
@@ -170,7 +173,8 @@ class TokenizerManager:
                 st.first_token_time = now
                 self.metrics.observe_ttft(now - st.start)
             elif st.last_token_time is not None:
-                self.metrics.observe_itl((now - st.last_token_time) / len(o.out.new_token_ids))
+                n = len(o.out.new_token_ids)
+                self.metrics.observe_itl((now - st.last_token_time) / n, n)
             st.last_token_time = now
         st.pending.append(o)
         st.event.set()
@@ -277,8 +281,10 @@ class TokenizerManager:
 
     async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
                                        weight_version: str | None = None) -> dict:
-        return await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
-                                          weight_version)
+        res = await self._update_weights(UpdateWeightsFromDiskReq(model_path=model_path, flush_cache=flush_cache),
+                                         weight_version)
+        self.model_path = model_path  # what /get_model_info reports from now on (as SGLang does)
+        return res
 
     async def _update_weights(self, req, weight_version: str | None) -> dict:
         async with self.model_update_lock.write():  # running requests finish first
@@ -441,6 +447,7 @@ class TokenizerManager:
     def _with_text(self, pairs, with_text: bool):
         if pairs is None:
             return None
+        with_text = with_text and self.tokenizer is not None
         return [(lp, tok, self.tokenizer.decode([tok]) if with_text else None) for lp, tok in pairs]
 
     def _result(self, st: ReqState, with_text: bool, full: bool, delta: dict | None = None) -> dict:
@@ -455,6 +462,8 @@ class TokenizerManager:
             meta["output_top_logprobs"] = [self._with_text(t, with_text) for t in tops]
             meta["input_token_logprobs"] = self._with_text(st.input_token_logprobs or [], with_text)
             meta["input_top_logprobs"] = [self._with_text(t, with_text) for t in (st.input_top_logprobs or [])]
-        if full:
-            return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-        return {"text": delta["text"], "output_ids": delta["output_ids"], "meta_info": meta}
+        out = {"text": st.text if full else delta["text"],
+               "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
+        if self.tokenizer is None:
+            del out["text"]
+        return out

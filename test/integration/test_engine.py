@@ -127,6 +127,21 @@ def test_logprobs_match_hf(engine, hf_model):
     assert len(top) == 3 and top[0][1] == out["output_ids"][0]
 
 
+def test_input_logprobs_from_start_survive_a_cached_prefix(engine, hf_model):
+    """Issue 18: a 7-token prompt, logprob_start_len=1, its first token cached: every input
+    logprob from token 1 is returned and equals Hugging Face's."""
+    prompt = [4321, 17, 230, 5, 901, 44, 3]
+    engine.generate(input_ids=prompt[:1] + [77], sampling_params={"max_new_tokens": 1})  # caches prompt[:1]
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                          return_logprob=True, logprob_start_len=1)
+    inp = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == prompt[1:]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    assert [lp for lp, _, _ in inp] == pytest.approx([ref[i - 1, prompt[i]].item() for i in range(1, 7)],
+                                                     abs=1e-4)
+
+
 @pytest.mark.parametrize("bad", [
     {"prompt": ""},
     {"input_ids": []},

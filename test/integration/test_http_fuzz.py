@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .test_http_server import ServerProcess, assert_idle
+from .test_http_server import assert_idle, serving
 
 # Routes fuzzed with a body. Those that change the server's state for everybody (pause,
 # memory, weights) are left out: they work as designed, and the properties would not hold.
@@ -81,14 +81,9 @@ def _valid(schema: dict, comps: dict, depth: int) -> st.SearchStrategy:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("fuzz") / "server.log"),
-                        "--context-length", "128", "--max-n", "4", "--max-sequences-per-request", "16")
-    try:
-        srv.wait_ready()
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("fuzz") / "server.log"),
+                 "--context-length", "128", "--max-n", "4", "--max-sequences-per-request", "16") as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop(timeout=30.0)
 
 
 def _check_error(body: dict, status: int, sent: dict) -> None:

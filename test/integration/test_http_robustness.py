@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .test_http_server import ServerProcess, _sse, assert_idle
+from .test_http_server import ServerProcess, _sse, assert_idle, serving
 
 USER, ADMIN = "user-key", "admin-key"
 U = {"Authorization": f"Bearer {USER}"}
@@ -28,13 +28,9 @@ class KeyedServer(ServerProcess):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = KeyedServer(tiny_llama_dir, str(tmp_path_factory.mktemp("robust") / "server.log"), *EXTRA)
-    try:
-        srv.wait_ready()
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("robust") / "server.log"), *EXTRA,
+                 cls=KeyedServer) as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop(timeout=30.0)
 
 
 @pytest.fixture(scope="module")

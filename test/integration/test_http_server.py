@@ -3,6 +3,7 @@ driven with httpx and the official openai client (OpenAI API, native API, errors
 SIGTERM). `ServerProcess` is shared with the other test_http_* modules."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -108,15 +109,22 @@ def assert_idle(server: ServerProcess, within: float = 0.5) -> float:
         time.sleep(0.01)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    srv = ServerProcess(tiny_llama_dir, str(tmp_path_factory.mktemp("http") / "server.log"))
+@contextlib.contextmanager
+def serving(model_dir: str, log_path: str, *extra: str, cls: type[ServerProcess] | None = None):
+    """A ready server for the with-block; stopped (if still running) after it."""
+    srv = (cls or ServerProcess)(model_dir, log_path, *extra)
     try:
         srv.wait_ready()
         yield srv
     finally:
         if srv.proc.poll() is None:
             srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("http") / "server.log")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

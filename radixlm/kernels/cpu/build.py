@@ -1,4 +1,4 @@
-"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp, kv_int8_ops.cpp) with the system C++ compiler on first use and load it with ctypes.
+"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp, kv_int8_ops.cpp, float_gemm.cpp) with the system C++ compiler on first use and load it with ctypes.
 
 A plain shared library (no torch headers, no Python C API) compiles in about a second,
 so no build step is needed at install time and a machine without a compiler still runs
@@ -9,6 +9,11 @@ Concurrent first uses (several test processes) each build to a private file and 
 it into place atomically.
 
 RADIXLM_CPU_KERNELS=0 turns the library off (torch ops everywhere).
+
+The kernels choose their instruction set at compile time (AVX-512 paths where the CPU has
+them, AVX2 + FMA paths otherwise), and the cache key includes the CPU's flags, so the
+library loaded is always the one for the processor it runs on. `load_variant("avx2")`
+builds the AVX2 flavour on an AVX-512 machine too, so that the tests check both paths there.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ from radixlm.kernels.cpu.cpuinfo import cpu_flags
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp"]
-HEADERS = [_HERE / "bf16.h", _HERE / "decode_tasks.h"]
+SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
+           _HERE / "float_gemm.cpp"]
+HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 _lock = threading.Lock()
@@ -53,6 +59,8 @@ _SIGNATURES = {
     "radixlm_store_kv_int8": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT],
     "radixlm_decode_int8_supports": [_INT],
     "radixlm_gather_dequant_int8": [_INT, _PTR, _PTR, _PTR, _I64, _INT, _INT, _PTR, _INT],
+    "radixlm_float_gemm_available": [],
+    "radixlm_float_linear": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_decode_attention_int8": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                                       _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
 }
@@ -70,20 +78,25 @@ def _compiler() -> str | None:
     return None
 
 
-def _library_path(cxx: str) -> Path:
+# Extra flags of the narrower builds (load_variant): "avx2" drops every AVX-512 extension.
+VARIANT_FLAGS = {"avx2": ["-mno-avx512f"]}
+_variants: dict[str, ctypes.CDLL | None] = {}
+
+
+def _library_path(cxx: str, flags: list[str] = FLAGS) -> Path:
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
         h.update(f.read_bytes())
-    h.update(" ".join([cxx, *FLAGS, *sorted(cpu_flags())]).encode())
+    h.update(" ".join([cxx, *flags, *sorted(cpu_flags())]).encode())
     return cache_dir() / f"cpu_ops-{h.hexdigest()[:16]}.so"
 
 
-def _build(cxx: str, target: Path) -> None:
+def _build(cxx: str, target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
+        proc = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
@@ -110,7 +123,29 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
-def _load() -> ctypes.CDLL | None:
+def variants() -> list[str]:
+    """Builds worth testing on this machine: "native", plus "avx2" where the native build
+    takes AVX-512 paths (on an AVX2-only CPU the native build is the AVX2 one)."""
+    flags = cpu_flags()
+    return ["native", "avx2"] if {"avx2", "fma", "avx512f"} <= flags else ["native"]
+
+
+def load_variant(name: str) -> ctypes.CDLL | None:
+    """The library built with VARIANT_FLAGS[name] added (cached like the native one); "native"
+    is load(). None when it cannot be built."""
+    if name == "native":
+        return load()
+    with _lock:
+        if name not in _variants:
+            try:
+                _variants[name] = _load([*FLAGS, *VARIANT_FLAGS[name]])
+            except Exception as e:  # noqa: BLE001 - same contract as load()
+                logger.warning("native CPU kernels (%s build) unavailable: %s", name, e)
+                _variants[name] = None
+        return _variants[name]
+
+
+def _load(flags: list[str] = FLAGS) -> ctypes.CDLL | None:
     if os.environ.get("RADIXLM_CPU_KERNELS", "1") == "0":
         return None
     import torch  # noqa: F401 - torch's libgomp must be loaded first so the library shares it
@@ -118,9 +153,9 @@ def _load() -> ctypes.CDLL | None:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (g++, c++ or clang++)")
-    path = _library_path(cxx)
+    path = _library_path(cxx, flags)
     if not path.exists():
-        _build(cxx, path)
+        _build(cxx, path, flags)
     lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during each call
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)

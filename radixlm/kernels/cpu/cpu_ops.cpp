@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2.h"
 #include "bf16.h"
 #include "decode_tasks.h"
 
@@ -222,11 +223,92 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
 }
 #endif
 
+#if defined(RADIXLM_AVX2)
+// Decode attention on AVX2 + FMA (no AVX-512: e.g. AMD Zen 3), float32 or bf16 pools. The
+// structure of kv_int8_ops.cpp's kernel: scores of a 128-key chunk first (8 keys at a time,
+// their lane sums reduced together by hsum8x8), one max / exp / sum pass per chunk, then
+// P @ V 16 dims at a time. Each key row is widened once for up to 4 query heads of its KV
+// head (bf16: a 16-bit shift per 8 values), and H KV heads share a task so that a pool row
+// is read whole and in order; rows are prefetched by slot index (see attend_range_bf16).
+using radixlm::kChunkAvx2;
+
+// Scores of GN query heads (qf: scaled float queries, D apart) against 8 keys (rows kr[j])
+// -> s[g][0..7].
+template <typename T, int D, int GN>
+inline void scores8_avx2(const float* qf, const T* const* kr, __m256* s) {
+  alignas(32) float part[GN][8][8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 a[GN];
+    for (int g = 0; g < GN; ++g) a[g] = _mm256_setzero_ps();
+    for (int c = 0; c < D / 8; ++c) {
+      const __m256 x = radixlm::load8(kr[j] + 8 * c);
+      for (int g = 0; g < GN; ++g) a[g] = _mm256_fmadd_ps(x, _mm256_load_ps(qf + g * D + 8 * c), a[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm256_store_ps(part[g][j], a[g]);
+  }
+  for (int g = 0; g < GN; ++g) {
+    __m256 v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_load_ps(part[g][j]);
+    s[g] = radixlm::hsum8x8(v);
+  }
+}
+
+template <typename T, int D>
+void attend_range_avx2(const T* q, float scale, int G, int H, const T* kbuf, const T* vbuf, const int64_t* idx,
+                       int64_t k0, int64_t k1, int64_t row_stride, float* acc, float* m, float* l) {
+  static_assert(D % 16 == 0, "head_dim in 16s");
+  const int HG = H * G;
+  alignas(32) float qf[kMaxGroup * D];
+  for (int g = 0; g < HG; ++g) {
+    for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * D + d]) * scale;
+    m[g] = kNoMax;
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  const int64_t row_bytes = (int64_t)H * D * sizeof(T);
+  int64_t slot[kChunkAvx2];
+  alignas(32) float sc[kMaxGroup][kChunkAvx2];  // scores, then probabilities
+  for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row_stride, row_bytes);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunkAvx2) {
+    const int nc = (int)std::min<int64_t>(kChunkAvx2, k1 - c0);
+    const int nb = (nc + 7) / 8;
+    for (int j = 0; j < nb * 8; ++j) slot[j] = idx[c0 + (j < nc ? j : 0)];
+    for (int blk = 0; blk < nb; ++blk) {
+      for (int64_t j = c0 + 8 * blk, j1 = std::min<int64_t>(k1, j + 8); j < j1; ++j) {
+        if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row_stride, row_bytes);
+        radixlm::prefetch_bytes(vbuf + idx[j] * row_stride, row_bytes);
+      }
+      const __m256 valid = radixlm::valid8(nc, blk);
+      for (int h = 0; h < H; ++h) {
+        const T* kr[8];
+        for (int j = 0; j < 8; ++j) kr[j] = kbuf + slot[8 * blk + j] * row_stride + (int64_t)h * D;
+        for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4) {
+          __m256 s[4];
+          const int gn = std::min(4, (h + 1) * G - g0);
+          switch (gn) {
+            case 1: scores8_avx2<T, D, 1>(qf + g0 * D, kr, s); break;
+            case 2: scores8_avx2<T, D, 2>(qf + g0 * D, kr, s); break;
+            case 3: scores8_avx2<T, D, 3>(qf + g0 * D, kr, s); break;
+            default: scores8_avx2<T, D, 4>(qf + g0 * D, kr, s); break;
+          }
+          for (int i = 0; i < gn; ++i)
+            _mm256_store_ps(sc[g0 + i] + 8 * blk, _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s[i], valid));
+        }
+      }
+    }
+    for (int g = 0; g < HG; ++g) radixlm::softmax_chunk(sc[g], nullptr, nc, D, m[g], l[g], acc + g * D);
+    radixlm::pv_chunk<T, D>(vbuf, row_stride, slot, nc, sc, G, H, acc);
+  }
+}
+#endif  // RADIXLM_AVX2
+
 // Whether attend() runs H > 1 KV heads in one pass (else it loops over them).
 template <typename T, int D>
 constexpr bool multi_head_pass() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return std::is_same<T, uint16_t>::value && D % 32 == 0;
+#elif defined(RADIXLM_AVX2)
+  return D % 16 == 0;
 #else
   return false;
 #endif
@@ -239,6 +321,11 @@ inline void attend(const T* q, float scale, int G, int H, const T* kbuf, const T
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (multi_head_pass<T, D>()) {
     attend_range_bf16<D / 32>(q, scale, G, H, kbuf, vbuf, idx, k0, k1, row_stride, acc, m, l);
+    return;
+  }
+#elif defined(RADIXLM_AVX2)
+  if constexpr (multi_head_pass<T, D>()) {
+    attend_range_avx2<T, D>(q, scale, G, H, kbuf, vbuf, idx, k0, k1, row_stride, acc, m, l);
     return;
   }
 #endif

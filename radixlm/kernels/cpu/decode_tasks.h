@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "avx2.h"
 #include "bf16.h"
 
 namespace radixlm {
@@ -142,5 +143,94 @@ inline __m512 hsum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 #endif
+
+#if defined(RADIXLM_AVX2)
+// The AVX2 decode attentions (cpu_ops.cpp over float/bf16 pools, kv_int8_ops.cpp over int8
+// ones) work in chunks of kChunkAvx2 keys: scores of the chunk first, then softmax_chunk,
+// then pv_dims16 over 16 dims at a time.
+constexpr int kChunkAvx2 = 128;
+
+inline void widen16(const float* p, __m256& x0, __m256& x1) { x0 = load8(p); x1 = load8(p + 8); }
+inline void widen16(const uint16_t* p, __m256& x0, __m256& x1) { x0 = load8(p); x1 = load8(p + 8); }
+inline void widen16(const int8_t* p, __m256& x0, __m256& x1) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+}
+
+// acc[GN][16 dims] (rows acc_stride apart) += sum over keys j < nc of w[g][j] * value row j
+// (vbuf at the first of the 16 dims in slot 0; each row widened once for the GN heads).
+template <typename T, int GN>
+inline void pv_dims16(const T* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunkAvx2],
+                      float* acc, int64_t acc_stride) {
+  __m256 o[GN][2];
+  for (int g = 0; g < GN; ++g) {
+    o[g][0] = _mm256_loadu_ps(acc + g * acc_stride);
+    o[g][1] = _mm256_loadu_ps(acc + g * acc_stride + 8);
+  }
+  for (int j = 0; j < nc; ++j) {
+    __m256 x0, x1;
+    widen16(vbuf + slot[j] * row, x0, x1);
+    for (int g = 0; g < GN; ++g) {
+      const __m256 p = _mm256_broadcast_ss(&w[g][j]);
+      o[g][0] = _mm256_fmadd_ps(p, x0, o[g][0]);
+      o[g][1] = _mm256_fmadd_ps(p, x1, o[g][1]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    _mm256_storeu_ps(acc + g * acc_stride, o[g][0]);
+    _mm256_storeu_ps(acc + g * acc_stride + 8, o[g][1]);
+  }
+}
+
+// acc[h*G ..][D] += P @ V of one chunk for H KV heads of G query heads each: w[g] holds query
+// head g's weights of the chunk's nc keys (rows slot[j] of vbuf, which points at the first KV
+// head in slot 0).
+template <typename T, int D>
+inline void pv_chunk(const T* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunkAvx2], int G,
+                     int H, float* acc) {
+  for (int h = 0; h < H; ++h)
+    for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        const T* vh = vbuf + (int64_t)h * D + d0;
+        float* a0 = acc + (int64_t)g0 * D + d0;
+        switch (std::min(4, (h + 1) * G - g0)) {
+          case 1: pv_dims16<T, 1>(vh, row, slot, nc, w + g0, a0, D); break;
+          case 2: pv_dims16<T, 2>(vh, row, slot, nc, w + g0, a0, D); break;
+          case 3: pv_dims16<T, 3>(vh, row, slot, nc, w + g0, a0, D); break;
+          default: pv_dims16<T, 4>(vh, row, slot, nc, w + g0, a0, D); break;
+        }
+      }
+}
+
+// Lanes of 8-key block blk that hold one of the chunk's nc keys.
+inline __m256 valid8(int nc, int blk) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nc - 8 * blk), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// Online softmax over one chunk for one query head: sc[0 .. 8 nb) holds the scores (padding
+// lanes kNoMax) and becomes exp(score - new max), times vscale[j] when given (the int8 values'
+// scales folded into the weights); m, l and the head's accumulator acc[D] are rescaled.
+inline void softmax_chunk(float* sc, const float* vscale, int nc, int D, float& m, float& l, float* acc) {
+  const int nb = (nc + 7) / 8;
+  __m256 mx = _mm256_set1_ps(kNoMax);
+  for (int blk = 0; blk < nb; ++blk) mx = _mm256_max_ps(mx, _mm256_load_ps(sc + 8 * blk));
+  const float bm = std::max(m, hmax8(mx));
+  const float corr = expf(m - bm);  // 0 on the first chunk
+  const __m256 vbm = _mm256_set1_ps(bm);
+  __m256 sum = _mm256_setzero_ps();
+  for (int blk = 0; blk < nb; ++blk) {
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_load_ps(sc + 8 * blk), vbm)), valid8(nc, blk));
+    sum = _mm256_add_ps(sum, p);
+    _mm256_store_ps(sc + 8 * blk, vscale ? _mm256_mul_ps(p, _mm256_load_ps(vscale + 8 * blk)) : p);
+  }
+  l = l * corr + hsum8(sum);
+  m = bm;
+  if (corr != 1.f) {
+    const __m256 vc = _mm256_set1_ps(corr);
+    for (int c = 0; c < D / 8; ++c) _mm256_storeu_ps(acc + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), vc));
+  }
+}
+#endif  // RADIXLM_AVX2
 
 }  // namespace radixlm

@@ -16,12 +16,23 @@
 // head into a scratch block that each of its query heads reads, with the value scales folded
 // into the probabilities.
 
+//
+// On AVX2 + FMA without AVX-512 (RADIXLM_KV_INT8_AVX2) the same scheme in 8-lane vectors:
+// q . k by the sign trick of quant_ops.cpp (vpmaddubsw of |q| and k with q's sign, then
+// vpmaddwd against ones: exact, no +128 correction needed), 8 keys' sums reduced at once,
+// P @ V in float over 16 dims at a time for up to 4 query heads (decode_tasks.h's AVX2
+// helpers, shared with the float/bf16 kernel).
+
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RADIXLM_KV_INT8 1
+#endif
+#include "avx2.h"
+#if defined(RADIXLM_AVX2)
+#define RADIXLM_KV_INT8_AVX2 1
 #endif
 #include <stdint.h>
 #include <math.h>
@@ -230,6 +241,79 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
   }
 }
 
+#endif  // RADIXLM_KV_INT8
+
+#ifdef RADIXLM_KV_INT8_AVX2
+using radixlm::kChunkAvx2;
+
+// attend_range_int8 of the AVX-512 kernel, same contract and arithmetic, in 8-key blocks.
+template <typename T, int NC>  // D = 64 * NC
+void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int8_t* kbuf, const int8_t* vbuf,
+                       const float* ksc, const float* vsc, const int64_t* idx, int64_t k0, int64_t k1,
+                       float* acc, float* m, float* l) {
+  constexpr int D = 64 * NC, V = D / 32;  // V: 32-byte vectors per head row
+  const int HG = H * G;
+  const int64_t row = (int64_t)Hkv * D;
+  __m256i qs8[kMaxGroup][V], qabs[kMaxGroup][V];
+  float qscale[kMaxGroup];
+  for (int g = 0; g < HG; ++g) {
+    alignas(32) int8_t q8[D];
+    qscale[g] = quantize_row(q + (int64_t)g * D, D, q8) * scale;
+    for (int c = 0; c < V; ++c) {
+      qs8[g][c] = _mm256_load_si256((const __m256i*)(q8 + 32 * c));
+      qabs[g][c] = _mm256_abs_epi8(qs8[g][c]);
+    }
+    m[g] = kNoMax;
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  int64_t slot[kChunkAvx2];
+  alignas(32) float sk[kMaxGroup][kChunkAvx2], sv[kMaxGroup][kChunkAvx2];
+  alignas(32) float sc[kMaxGroup][kChunkAvx2];  // scores, then probabilities times the value scale
+  for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
+  for (int64_t c0 = k0; c0 < k1; c0 += kChunkAvx2) {
+    const int nc = (int)std::min<int64_t>(kChunkAvx2, k1 - c0);
+    const int nb = (nc + 7) / 8;  // 8-key blocks; keys nc.. of the last are padding
+    for (int j = 0; j < nb * 8; ++j) {
+      slot[j] = idx[c0 + (j < nc ? j : 0)];
+      for (int h = 0; h < H; ++h) {
+        sk[h][j] = ksc[slot[j] * Hkv + h];
+        sv[h][j] = j < nc ? vsc[slot[j] * Hkv + h] : 0.f;  // padding keys add nothing
+      }
+    }
+    for (int g = 0; g < HG; ++g) {
+      const int h = g / G;
+      const __m256 qsv = _mm256_set1_ps(qscale[g]);
+      for (int blk = 0; blk < nb; ++blk) {
+        if (g == 0) {
+          for (int64_t j = c0 + 8 * blk, j1 = std::min<int64_t>(k1, j + 8); j < j1; ++j) {
+            if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
+            radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
+          }
+        }
+        __m256i a[8];
+        for (int j = 0; j < 8; ++j) {
+          const int8_t* kr = kbuf + slot[8 * blk + j] * row + (int64_t)h * D;
+          a[j] = _mm256_setzero_si256();
+          for (int c = 0; c < V; ++c) {
+            const __m256i k8 = _mm256_loadu_si256((const __m256i*)(kr + 32 * c));
+            a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(
+                _mm256_maddubs_epi16(qabs[g][c], _mm256_sign_epi8(k8, qs8[g][c])), ones));
+          }
+        }
+        const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(radixlm::hsum8x8i(a)), qsv),
+                                       _mm256_load_ps(sk[h] + 8 * blk));
+        _mm256_store_ps(sc[g] + 8 * blk, _mm256_blendv_ps(_mm256_set1_ps(kNoMax), s, radixlm::valid8(nc, blk)));
+      }
+      radixlm::softmax_chunk(sc[g], sv[h], nc, D, m[g], l[g], acc + g * D);
+    }
+    radixlm::pv_chunk<int8_t, D>(vbuf, row, slot, nc, sc, G, H, acc);
+  }
+}
+#endif  // RADIXLM_KV_INT8_AVX2
+
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
 template <typename T, int NC>
 void decode_attention_int8(const T* q, int64_t q_stride, const int8_t* kbuf, const int8_t* vbuf, const float* ksc,
                            const float* vsc, const int64_t* indptr, const int64_t* indices, T* out,
@@ -264,7 +348,7 @@ int decode_int8_dispatch(const void* q, int64_t q_stride, const int8_t* k, const
   }
 #undef RADIXLM_DECODE_I8
 }
-#endif  // RADIXLM_KV_INT8
+#endif  // RADIXLM_KV_INT8 || RADIXLM_KV_INT8_AVX2
 
 }  // namespace
 
@@ -292,9 +376,9 @@ int radixlm_gather_dequant_int8(int dtype, const int8_t* q, const float* scale, 
   return 0;
 }
 
-// Head dims the int8 decode kernel is instantiated for (0 when built without AVX512-VNNI).
+// Head dims the int8 decode kernel is instantiated for (0 when built without AVX512-VNNI or AVX2).
 int radixlm_decode_int8_supports(int D) {
-#ifdef RADIXLM_KV_INT8
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
   return D == 64 || D == 128 || D == 256;
 #else
   (void)D;
@@ -307,7 +391,7 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
                                   const float* ks, const float* vs, const int64_t* indptr, const int64_t* indices,
                                   void* out, int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D,
                                   float scale, int nthreads) {
-#ifdef RADIXLM_KV_INT8
+#if defined(RADIXLM_KV_INT8) || defined(RADIXLM_KV_INT8_AVX2)
   if (dtype == 0)
     return decode_int8_dispatch<float>(q, q_stride, k, v, ks, vs, indptr, indices, out, out_stride, lse, B, Hq,
                                        Hkv, D, scale, nthreads);

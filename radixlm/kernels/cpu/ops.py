@@ -173,7 +173,7 @@ def gather_dequant_int8(q_buf: torch.Tensor, scale: torch.Tensor, index: torch.T
 
 
 def decode_int8_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI)."""
+    """Whether decode_attention_int8 handles these shapes on this build (AVX512-VNNI or AVX2)."""
     lib = load()
     return (lib is not None and num_kv_heads > 0 and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP and lib.radixlm_decode_int8_supports(head_dim) == 1)
@@ -230,7 +230,7 @@ def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
 
 
 def int8_linear_available() -> bool:
-    """Whether the library has the prepacked int8 GEMM (built with AVX512-VNNI)."""
+    """Whether the library has the prepacked int8 GEMM (AVX512-VNNI or AVX2 builds)."""
     lib = load()
     return lib is not None and lib.radixlm_int8_linear_available() == 1
 
@@ -250,6 +250,32 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor, w_sca
     rc = lib.radixlm_int8_linear(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _ptr(packed), _ptr(comp),
                                  _ptr(w_scale), n, _DTYPE_CODE[out_dtype],
                                  _ptr(bias) if bias is not None else None, _ptr(out), n, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def float_gemm_available() -> bool:
+    """Whether the library has the AVX2 + FMA float GEMM (float_gemm.cpp)."""
+    lib = load()
+    return lib is not None and lib.radixlm_float_gemm_available() == 1
+
+
+def float_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] (rows contiguous) times a weight packed by float_gemm.pack_weight (panels
+    [ceil(n / 16), K, 16] float32/bfloat16, n output columns) -> [M, n] in out_dtype; bias, if
+    given, out_dtype [n]. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype not in _DTYPE_CODE or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
+        return None
+    if panels.dtype not in _DTYPE_CODE or not panels.is_contiguous() or panels.shape[1] != x.shape[1]:
+        return None
+    if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
+        return None
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=out_dtype)
+    rc = lib.radixlm_float_linear(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _DTYPE_CODE[panels.dtype],
+                                  _ptr(panels), n, _DTYPE_CODE[out_dtype], _ptr(bias) if bias is not None else None,
+                                  _ptr(out), n, torch.get_num_threads())
     return out if rc == 0 else None
 
 

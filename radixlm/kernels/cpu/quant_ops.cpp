@@ -14,12 +14,26 @@
 // decode case, cost it most of its speed-up over bf16).
 // Rounding is nearbyintf (round half to even, the default mode), as torch.round does.
 
+//
+// Without AVX-512 (AVX2 + FMA, e.g. AMD Zen 3) the same packed weight is multiplied with
+// vpmaddubsw: it takes unsigned x signed bytes and sums pairs into saturating int16, so the
+// activations are kept signed (no +128 here) and the sign trick makes the product exact:
+// |w| (unsigned) times sign(x, w) (x with w's sign), pairs <= 2 * 127 * 127 < 32767, then
+// vpmaddwd against ones widens to int32. The integer dot per group is the same exact number
+// as VNNI's (dot - comp), folded into float the same way, so the two paths agree bit for bit.
+
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define RADIXLM_VNNI 1
+#define RADIXLM_INT8_GEMM 1
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define RADIXLM_INT8_AVX2 1
+#define RADIXLM_INT8_GEMM 1
 #endif
 #include <stdint.h>
 #include <math.h>
@@ -27,6 +41,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "avx2.h"
 #include "bf16.h"
 
 namespace {
@@ -49,10 +64,28 @@ inline void store_q16(uint8_t* q, __m512 v, __m512 inv) {
   i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
   _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(_mm512_add_epi32(i, _mm512_set1_epi32(128))));
 }
+#elif defined(RADIXLM_INT8_AVX2)
+using radixlm::load8;
+using radixlm::hmax8;
+// A whole group of 32 values times inv, rounded to nearest even (MXCSR default, as
+// nearbyintf), clamped to +-127, as bytes in order; offset: + 128 (xor of the sign bit).
+template <bool kOffset>
+inline void store_q32(uint8_t* q, const __m256* v, __m256 inv) {
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i i[4];
+  for (int c = 0; c < 4; ++c)
+    i[c] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[c], inv)), lo), hi);
+  // packs work per 128-bit lane: dwords come out as [0lo 1lo 2lo 3lo 0hi 1hi 2hi 3hi]
+  __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (kOffset) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x80));
+  _mm256_storeu_si256((__m256i*)q, b);
+}
 #endif
 
-// Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats.
-template <typename T>
+// Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats. kOffset: q = int8 + 128
+// (uint8, what vpdpbusd and the Python API take); else q holds the int8 values themselves.
+template <typename T, bool kOffset = true>
 void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q, float* scale,
                      int nthreads) {
   const int64_t Kp = (int64_t)ng * kGroup;
@@ -73,6 +106,20 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
         scale[m * ng + g] = (float)((double)amax / 127.0);
         continue;
       }
+#elif defined(RADIXLM_INT8_AVX2)
+      if (k1 - k0 == kGroup) {  // a whole group: four vectors
+        __m256 v[4];
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 mx = _mm256_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+          v[c] = load8(xr + k0 + 8 * c);
+          mx = _mm256_max_ps(mx, _mm256_and_ps(v[c], absmask));
+        }
+        const float amax = hmax8(mx);
+        store_q32<kOffset>(qr + k0, v, _mm256_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f));
+        scale[m * ng + g] = (float)((double)amax / 127.0);
+        continue;
+      }
 #endif
       float amax = 0.f;
       for (int k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(to_f(xr[k])));
@@ -81,22 +128,39 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
       const float inv = amax > 0.f ? (float)(127.0 / (double)amax) : 0.f;
       for (int k = k0; k < k1; ++k) {
         const float v = fminf(127.f, fmaxf(-127.f, nearbyintf(to_f(xr[k]) * inv)));
-        qr[k] = (uint8_t)((int)v + 128);
+        qr[k] = (uint8_t)((int)v + (kOffset ? 128 : 0));
       }
-      for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = 128;
+      for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = kOffset ? 128 : 0;
       scale[m * ng + g] = (float)((double)amax / 127.0);
     }
   }
 }
 
-#ifdef RADIXLM_VNNI
+#ifdef RADIXLM_INT8_GEMM
 // Packed weight (int8_linear.py's pack_int8_weight): tiles of 32 output columns, K padded to
 // Kp; packed[tile][kq][c][j] = w[32 * tile + c][4 * kq + j], so one k-quad of a tile is 128
 // contiguous bytes = 2 zmm operands of vpdpbusd, and a tile is one contiguous stream.
 // comp[tile][g][c] = 128 * sum of the group's weights; w_scale is padded to 32 * tiles.
 constexpr int kTileCols = 32;
-constexpr int kMR = 6;  // rows per micro-tile (see micro_tile)
 constexpr int kQuadsPerGroup = kGroup / 4;
+
+// The next tile's weights, prefetched a few lines per group while this tile computes:
+// in one burst per micro-tile the prefetches filled the miss buffers and stalled the loads
+// of the computation.
+struct TilePrefetch {
+  const char* p = nullptr;
+  int64_t lines = 0;
+  int per_group = 0;
+  inline void some() {
+    for (int i = 0; i < per_group && lines > 0; ++i, --lines, p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
+};
+#endif
+
+#ifdef RADIXLM_VNNI
+constexpr int kMR = 6;  // rows per micro-tile (see micro_tile)
+constexpr int kPassesPerTile = 1;  // micro_tile covers the tile's 32 columns at once
+constexpr bool kOffsetActivations = true;  // vpdpbusd: unsigned activations (+128), comp corrects
 
 inline __m512 load_bias(const float* b, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, b); }
 inline __m512 load_bias(const uint16_t* b, __mmask16 mask) { return widen_bf16(_mm256_maskz_loadu_epi16(mask, b)); }
@@ -111,18 +175,6 @@ inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
     if (mask >> i & 1) o[i] = from_f<uint16_t>(tmp[i]);
 #endif
 }
-
-// The next tile's weights, prefetched a few lines per group while this tile computes:
-// in one burst per micro-tile the prefetches filled the miss buffers and stalled the loads
-// of the computation.
-struct TilePrefetch {
-  const char* p = nullptr;
-  int64_t lines = 0;
-  int per_group = 0;
-  inline void some() {
-    for (int i = 0; i < per_group && lines > 0; ++i, --lines, p += 64) _mm_prefetch(p, _MM_HINT_T0);
-  }
-};
 
 // out[MR rows][ncols] of one 32-column tile. Two 16-column blocks per row keep 6 rows x 2 blocks of int
 // and float accumulators + 2 weights + 1 broadcast = 27 zmm in registers, so each weight
@@ -188,6 +240,85 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_OUT
 }
 
+#elif defined(RADIXLM_INT8_AVX2)
+constexpr int kMR = 4;  // rows per micro-tile (see micro_tile)
+constexpr int kPassesPerTile = 2;  // micro_tile covers the tile as two 16-column halves
+constexpr bool kOffsetActivations = false;  // the sign trick needs the signed values
+
+// out[MR rows][ncols] of one 32-column tile in two 16-column halves. Per half, MR rows x 2
+// vectors of 8 int32 dots + 2 weights, their absolute values, a broadcast and ones fill the
+// 16 ymm registers; the float sums across groups live in memory (one load/store per group,
+// against 8 k-quads of 4 ops each). Named accumulators for the reason given in the VNNI
+// micro_tile. comp is unused: the activations are signed.
+template <int MR, typename TO>
+void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
+                const int32_t* /*comp*/, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
+                TilePrefetch& pf) {
+  static_assert(MR >= 1 && MR <= 4, "micro_tile handles 1-4 rows");
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2 && half * 16 < ncols; ++half) {
+    alignas(32) float facc[MR][16];
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < 16; ++i) facc[m][i] = 0.f;
+    for (int g = 0; g < ng; ++g) {
+      pf.some();
+      const __m256i z = _mm256_setzero_si256();
+      __m256i c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+      const int8_t* wg = wt + (int64_t)g * kQuadsPerGroup * 128 + half * 64;
+      const uint8_t* xg = xq + g * kGroup;
+#pragma GCC unroll 8
+      for (int kq = 0; kq < kQuadsPerGroup; ++kq) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i*)(wg + kq * 128));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i*)(wg + kq * 128 + 32));
+        const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+#define RADIXLM_ROW(m)                                                                                      \
+  if constexpr (MR > m) {                                                                                   \
+    int32_t four;                                                                                           \
+    memcpy(&four, xg + m * xs + 4 * kq, 4);                                                                 \
+    const __m256i a = _mm256_set1_epi32(four);                                                              \
+    c##m##0 = _mm256_add_epi32(c##m##0, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(a, w0)), ones)); \
+    c##m##1 = _mm256_add_epi32(c##m##1, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(a, w1)), ones)); \
+    asm("" : "+x"(c##m##0), "+x"(c##m##1)); /* keeps GCC from reassociating the sums through the stack */ \
+  }
+        RADIXLM_ROW(0) RADIXLM_ROW(1) RADIXLM_ROW(2) RADIXLM_ROW(3)
+#undef RADIXLM_ROW
+      }
+      // facc += x_scale[m][g] * dot (the fold of the VNNI micro_tile, same float operations)
+#define RADIXLM_FOLD(m)                                                                                 \
+  if constexpr (MR > m) {                                                                               \
+    const __m256 s = _mm256_set1_ps(xscale[m * ng + g]);                                                \
+    _mm256_store_ps(facc[m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##m##0), s, _mm256_load_ps(facc[m])));         \
+    _mm256_store_ps(facc[m] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(c##m##1), s, _mm256_load_ps(facc[m] + 8))); \
+  }
+      RADIXLM_FOLD(0) RADIXLM_FOLD(1) RADIXLM_FOLD(2) RADIXLM_FOLD(3)
+#undef RADIXLM_FOLD
+    }
+    const int cols = std::min(16, ncols - half * 16);
+    const float* wsh = ws + half * 16;
+    for (int m = 0; m < MR; ++m) {
+      TO* o = out + m * os + half * 16;
+      alignas(32) float r[16];
+      for (int b = 0; b < 2; ++b) {
+        const __m256 f = _mm256_load_ps(facc[m] + 8 * b), wsv = _mm256_loadu_ps(wsh + 8 * b);
+        __m256 v;
+        if (bias != nullptr) {
+          alignas(32) float bb[8];
+          for (int i = 0; i < 8; ++i) bb[i] = 8 * b + i < cols ? to_f(bias[half * 16 + 8 * b + i]) : 0.f;
+          v = _mm256_fmadd_ps(f, wsv, _mm256_load_ps(bb));
+        } else {
+          v = _mm256_mul_ps(f, wsv);
+        }
+        if (cols == 16) radixlm::store8(o + 8 * b, v);
+        else _mm256_store_ps(r + 8 * b, v);
+      }
+      if (cols < 16)
+        for (int i = 0; i < cols; ++i) o[i] = from_f<TO>(r[i]);
+    }
+  }
+}
+#endif
+
+#ifdef RADIXLM_INT8_GEMM
 template <typename TI, typename TO>
 void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* packed, const int32_t* comp,
                  const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads) {
@@ -197,7 +328,7 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
   const int tiles = (N + kTileCols - 1) / kTileCols;
   std::vector<uint8_t> xq((size_t)M * Kp);
   std::vector<float> xs((size_t)M * ng);
-  quantize_groups<TI>(x, x_stride, M, K, ng, xq.data(), xs.data(), nthreads);
+  quantize_groups<TI, kOffsetActivations>(x, x_stride, M, K, ng, xq.data(), xs.data(), nthreads);
   // Rows are split too when there are few column tiles, so both threads get equal work;
   // tasks are tile-major, so each thread streams its own share of the weight.
   int64_t chunks = 1;
@@ -231,7 +362,7 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
     TilePrefetch pf;
     pf.p = (const char*)next;
     pf.lines = next_bytes / 64;
-    pf.per_group = (int)((pf.lines + steps * ng - 1) / (steps * ng));
+    pf.per_group = (int)((pf.lines + steps * ng * kPassesPerTile - 1) / (steps * ng * kPassesPerTile));
     int64_t m0 = r0;
     for (int64_t step = 0; step < steps; ++step) {
       const int64_t rows = base + (step < extra ? 1 : 0);
@@ -241,14 +372,17 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
       switch (rows) {
 #define RADIXLM_TILE(R) \
   case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf); break;
-        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
+        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4)
+#if defined(RADIXLM_VNNI)
+        RADIXLM_TILE(5) RADIXLM_TILE(6)
+#endif
 #undef RADIXLM_TILE
       }
       m0 += rows;
     }
   }
 }
-#endif  // RADIXLM_VNNI
+#endif  // RADIXLM_INT8_GEMM
 
 }  // namespace
 
@@ -269,7 +403,7 @@ int radixlm_quantize_groups(int dtype, const void* x, int64_t x_stride, int64_t 
 }
 
 int radixlm_int8_linear_available() {
-#ifdef RADIXLM_VNNI
+#ifdef RADIXLM_INT8_GEMM
   return 1;
 #else
   return 0;
@@ -280,7 +414,7 @@ int radixlm_int8_linear_available() {
 int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                         const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
                         void* out, int64_t out_stride, int nthreads) {
-#ifdef RADIXLM_VNNI
+#ifdef RADIXLM_INT8_GEMM
 #define RADIXLM_CALL(TI, TO)                                                                        \
   int8_linear<TI, TO>((const TI*)x, x_stride, M, K, packed, comp, w_scale, N, (const TO*)bias, (TO*)out, \
                       out_stride, nthreads)

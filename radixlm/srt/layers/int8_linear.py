@@ -4,13 +4,15 @@ input features of each token (as llama.cpp's Q8_0), integer dot products per gro
 
 Why: on CPU the decode step is bound by its GEMMs (batch 32) or by reading the weights
 from DRAM (batch 1). vpdpbusd (AVX512-VNNI) multiplies bytes at twice the bf16 rate and an
-int8 weight is half the bytes of a bf16 one. Why groups: measured on SmolLM2-135M against
+int8 weight is half the bytes of a bf16 one; on AVX2-only CPUs (no bf16 or int8 dot
+products) vpmaddubsw runs at ~1.6x the fp32 FMA peak (benchmark/micro/roofline.py). Why groups: measured on SmolLM2-135M against
 float32 (9 chat prompts, 32 greedy tokens teacher-forced), one activation scale per token
 gave top-1 agreement 0.88 and KL 0.04; groups of 32 give 0.955 and 0.006 (bf16: 0.97,
 0.001), for ~15% more kernel time.
 
 The native kernel (kernels/cpu/quant_ops.cpp) does quantize + GEMM + epilogue in one call
-over a weight packed once into its layout. Without it (no compiler, no VNNI) the same
+over a weight packed once into its layout (AVX512-VNNI or AVX2 code, the same numbers).
+Without it (no compiler, a CPU without AVX2) the same
 quantization runs in torch with a float matmul: same numbers up to float summation order.
 
 The quantized weight is derived state, like the oneDNN-packed copy in linear.py: built

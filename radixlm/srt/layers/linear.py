@@ -11,7 +11,10 @@ The packed copy is derived state: it is built lazily on the first forward and dr
 by `invalidate_packed()` whenever the weight may have been written (the model calls it
 for every parameter the loader or the weight updater addresses by name). A Linear with
 `quantization` set multiplies through an int8 copy instead (int8_linear.py), derived and
-invalidated the same way.
+invalidated the same way. On CPUs without a fast bf16 path (AVX2 only, e.g. AMD Zen 3) a
+float32/bfloat16 Linear multiplies through radixlm's own AVX2 GEMM over a panel-packed copy
+instead (float_gemm.py): there torch's bf16 matmul is emulated and its fp32 one slow at decode
+batch sizes.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.srt.layers import float_gemm
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 
 
@@ -47,6 +51,30 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+Packed = torch.Tensor | float_gemm.PackedFloatWeight  # oneDNN-blocked or radixlm panels
+
+
+def pack_for(weight: torch.Tensor) -> Packed | None:
+    """The packed copy a float weight is multiplied through on this CPU, or None (F.linear)."""
+    if mkldnn_pack_supported(weight.dtype, weight.device):
+        return pack_weight(weight)
+    if float_gemm.wanted(weight.dtype, weight.device):
+        return float_gemm.pack_weight(weight)
+    return None
+
+
+def linear_packed(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) through `packed` (from pack_for(weight)) when it takes x."""
+    if isinstance(packed, float_gemm.PackedFloatWeight):
+        out = float_gemm.linear(x, packed, bias)
+        if out is not None:
+            return out
+    elif packed is not None and x.dtype == weight.dtype:
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
@@ -56,7 +84,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
-        self._packed: torch.Tensor | None = None
+        self._packed: Packed | None = None
         self._pack_ok: bool | None = None  # decided on the first forward (device/dtype known)
         self.quantization: str | None = None  # "w8a8_int8": multiply through self._int8
         self._int8: Int8Weight | None = None
@@ -77,12 +105,9 @@ class Linear(nn.Module):
         if self.quantization is not None:
             return int8_linear(x, self.int8_weight(), self.bias)
         if self._pack_ok is None:
-            self._pack_ok = mkldnn_pack_supported(self.weight.dtype, self.weight.device)
-        if self._pack_ok and x.dtype == self.weight.dtype:
-            if self._packed is None:
-                self._packed = pack_weight(self.weight)
-            return packed_linear(x, self._packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            self._packed = pack_for(self.weight)
+            self._pack_ok = self._packed is not None
+        return linear_packed(x, self.weight, self._packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -14,7 +14,7 @@ from torch import nn
 from radixlm.config import ModelConfig
 from radixlm.srt.layers.activation import GatedMLP
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
-from radixlm.srt.layers.linear import Embedding, Linear, mkldnn_pack_supported, pack_weight, packed_linear
+from radixlm.srt.layers.linear import Embedding, Linear, Packed, linear_packed, pack_for
 from radixlm.srt.layers.norm import RMSNorm
 from radixlm.srt.layers.rotary import BatchRope, RotaryEmbedding
 from radixlm.srt.model_runner.attention.base import AttentionBackend
@@ -93,7 +93,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
         # Prepacked (oneDNN) copy of a tied LM head; see layers/linear.py. Untied heads are a
         # Linear and pack themselves.
-        self._tied_head_packed: torch.Tensor | None = None
+        self._tied_head_packed: Packed | None = None
+        self._tied_head_pack_tried = False  # pack_for is None on CPUs where F.linear is best
         self.quantization: str | None = None
         self._tied_head_int8: Int8Weight | None = None
 
@@ -151,16 +152,16 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         if self.quantization is not None:
             return int8_linear(hidden, self._tied_head_int8_weight(), None, torch.float32)
-        if hidden.dtype == weight.dtype and mkldnn_pack_supported(weight.dtype, weight.device):
-            if self._tied_head_packed is None:
-                self._tied_head_packed = pack_weight(weight)
-            return packed_linear(hidden, self._tied_head_packed, None).float()
-        return torch.nn.functional.linear(hidden, weight).float()
+        if not self._tied_head_pack_tried:
+            self._tied_head_packed = pack_for(weight)
+            self._tied_head_pack_tried = True
+        return linear_packed(hidden, weight, self._tied_head_packed, None).float()
 
     def _invalidate_packed(self, pname: str) -> None:
         """Drop the prepacked copy of a weight that the caller is about to write."""
         if pname == "model.embed_tokens.weight":
             self._tied_head_packed = None
+            self._tied_head_pack_tried = False
             self._tied_head_int8 = None
         owner = pname.rpartition(".")[0]
         try:

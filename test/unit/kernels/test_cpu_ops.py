@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from radixlm.kernels.cpu import ops
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built")
+pytestmark = [pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built"),
+              pytest.mark.usefixtures("kernel_isa")]
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -1,6 +1,7 @@
 """W8A8 int8 linear (radixlm/srt/layers/int8_linear.py): the native per-row quantizer and
-the prepacked VNNI GEMM against their torch formulations, and the error against a float
-linear."""
+the prepacked GEMM (AVX512-VNNI, or the AVX2 sign trick: both builds where the CPU has
+AVX-512, see conftest.kernel_isa) against their torch formulations, and the error against a
+float linear."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ from radixlm.kernels.cpu import ops
 from radixlm.srt.layers import int8_linear as il
 
 needs_kernels = pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built")
-needs_vnni = pytest.mark.skipif(not ops.int8_linear_available(), reason="library built without AVX512-VNNI")
+needs_int8 = pytest.mark.skipif(not ops.int8_linear_available(),
+                                reason="library built without the int8 GEMM (needs AVX2 or AVX512-VNNI)")
+pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 # The integer dots are exact; the kernel sums the groups in float32 (the reference in
 # float64), and the torch path multiplies dequantized floats: a few float32 roundings, or
@@ -52,7 +55,7 @@ def test_quantize_groups_matches_torch(dtype, rows, cols):
         assert scale[1, 0] == 0 and scale[1, 1] > 0
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 64, 64), (7, 70, 100), (13, 1536, 576), (32, 576, 3072),
@@ -73,7 +76,7 @@ def test_packed_kernel_matches_reference(in_dtype, out_dtype, m, k, n, with_bias
     torch.testing.assert_close(il.int8_linear(x, w, bias, out_dtype), got, **EPILOGUE_TOL[out_dtype])
 
 
-@needs_vnni
+@needs_int8
 def test_packed_kernel_strided_and_batched_input():
     g = torch.Generator().manual_seed(3)
     w = il.quantize_weight(torch.randn(40, 24, generator=g), pack=False)
@@ -90,7 +93,7 @@ def test_packed_kernel_strided_and_batched_input():
     assert il.int8_linear(torch.empty(0, 24), packed, None).shape == (0, 40)
 
 
-@needs_vnni
+@needs_int8
 def test_bound_gemm_matches_the_checked_call():
     """The decode fast path (Int8Weight.gemm, pointers bound once) gives bit-identical results
     to the generic checked call, and inputs it does not take (float16, a bias in another

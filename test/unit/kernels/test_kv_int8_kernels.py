@@ -9,8 +9,10 @@ import torch
 from radixlm.kernels.cpu import ops
 from radixlm.srt.model_runner.kv_pool import dequantize_kv, quantize_kv
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built")
-needs_vnni = pytest.mark.skipif(not ops.decode_int8_supported(1, 1, 64), reason="library built without AVX512-VNNI")
+pytestmark = [pytest.mark.skipif(not ops.available(), reason="native CPU kernels could not be built"),
+              pytest.mark.usefixtures("kernel_isa")]
+needs_int8 = pytest.mark.skipif(not ops.decode_int8_supported(1, 1, 64),
+                                reason="library built without the int8 decode kernel (needs AVX2 or AVX512-VNNI)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +68,7 @@ def _reference(q, k_buf, v_buf, k_scale, v_scale, indptr, indices, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (16, 2, 128), (32, 2, 256)])
 @pytest.mark.parametrize("lens", [[1], [16, 17], [1, 2, 31, 128, 129], [700], [5, 1000, 3]])
@@ -92,7 +94,7 @@ def test_decode_attention_int8_matches_reference(dtype, heads, kv_heads, dim, le
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@needs_vnni
+@needs_int8
 def test_decode_attention_int8_error_against_float_keys_is_small():
     """Against attention over the original float K/V (before the pool quantized them): the
     int8 pool and query cost ~1% of the output's scale on random data."""

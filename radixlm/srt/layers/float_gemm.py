@@ -1,0 +1,77 @@
+"""Float32/bfloat16 linear on radixlm's own AVX2 + FMA GEMM (kernels/cpu/float_gemm.cpp), for
+CPUs without bf16 dot products (no AMX, no AVX512-BF16: e.g. AMD Zen 3).
+
+Why: there torch's bf16 matmul is emulated, 4-8x slower than its fp32 one, and its fp32 one
+reaches ~40% of the FMA peak at decode batch sizes (benchmark/micro/roofline.py). The kernel
+multiplies through a copy of the weight packed once into 16-column panels, accumulating in
+float32 and rounding once to the output dtype: the numbers of torch's float32 linear (a
+bfloat16 model: of torch's bfloat16 linear, which also accumulates in float32) up to the
+order of the float32 summation.
+
+The panels hold the weight in its own dtype: bf16 weights stay bf16 (half the bytes streamed
+per decode step) and are widened in registers. Like the oneDNN-packed copy in linear.py the
+packed copy is derived state, dropped by Linear.invalidate_packed() when the weight changes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.cpu import ops
+from radixlm.kernels.cpu.hugepages import empty_hugepage
+
+PANEL = 16  # output columns per panel (float_gemm.cpp kNR)
+
+
+@dataclass
+class PackedFloatWeight:
+    out_features: int
+    in_features: int
+    panels: torch.Tensor  # [ceil(out / 16), in, 16], the weight's dtype
+
+
+def available() -> bool:
+    return ops.float_gemm_available()
+
+
+def wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a Linear of this dtype/device should multiply through this kernel: CPUs where
+    torch's own GEMMs lack a fast bf16 path (the kernel is used only where it was measured
+    to win; RADIXLM_FLOAT_GEMM=0 turns it off, =1 forces it on any AVX2 CPU)."""
+    env = os.environ.get("RADIXLM_FLOAT_GEMM", "")
+    if env == "0" or dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
+        return False
+    if not available():
+        return False
+    if env == "1":
+        return True
+    from radixlm.srt.weights.loader import cpu_has_fast_bf16
+    return not cpu_has_fast_bf16()
+
+
+def pack_weight(weight: torch.Tensor) -> PackedFloatWeight:
+    """panels[p, k, c] = weight[16 p + c, k], zero-padded to whole panels."""
+    with torch.inference_mode(False), torch.no_grad():
+        n, k = weight.shape
+        n_pad = -(-n // PANEL) * PANEL
+        w = weight.detach()
+        if n_pad != n:
+            w = torch.cat([w, w.new_zeros(n_pad - n, k)])
+        panels = empty_hugepage((n_pad // PANEL, k, PANEL), weight.dtype)  # streamed every step
+        panels.copy_(w.view(n_pad // PANEL, PANEL, k).transpose(1, 2))
+        return PackedFloatWeight(n, k, panels)
+
+
+def linear(x: torch.Tensor, weight: PackedFloatWeight, bias: torch.Tensor | None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x [..., in] (float32/bfloat16) -> [..., out] in out_dtype (default x.dtype); None when the
+    kernel does not take these inputs (the caller falls back to torch)."""
+    out_dtype = out_dtype or x.dtype
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = ops.float_linear(x2, weight.panels, weight.out_features, bias, out_dtype)
+    return None if out is None else out.reshape(*lead, weight.out_features)
