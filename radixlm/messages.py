@@ -108,6 +108,7 @@ class DestroyWeightsUpdateGroupReq(RpcReq):
 class GetWeightsByNameReq(RpcReq):
     name: str = ""
     truncate_size: int = 100
+    max_elements: int | None = None  # refuse a larger answer (HTTP: --max-weights-response-elements)
 
 
 @dataclass
@@ -169,6 +170,9 @@ class ReqTextOutput:
     """ReqOutput after detokenization: `new_text` is the newly released text."""
     out: ReqOutput
     new_text: str
+    # The detokenizer could not handle this request and ended it (out.finish_reason is its
+    # 500 abort); the scheduler still runs it until the tokenizer manager's abort arrives.
+    failed: bool = False
 
 
 @dataclass

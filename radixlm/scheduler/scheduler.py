@@ -23,6 +23,7 @@ from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
+from radixlm.scheduler.error_boundary import ErrorBoundary
 from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue, grammar_finish
 from radixlm.scheduler.output import StopStringChecker, append_token, make_output
 from radixlm.scheduler.overlap import ForwardTimer, ForwardWorker, InFlight, placeholder
@@ -78,11 +79,15 @@ class Scheduler:
         # cumulative histogram of the same, for Prometheus
         self.cancel_hist = {"buckets": list(CANCEL_LATENCY_BUCKETS), "counts": [0] * len(CANCEL_LATENCY_BUCKETS),
                             "sum": 0.0, "count": 0}
+        self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
 
     # ================================================================ messages
     def handle(self, msg) -> object:
         if isinstance(msg, TokenizedGenerateReq):
-            return self.add_request(msg)
+            try:
+                return self.add_request(msg)
+            except Exception as e:  # noqa: BLE001 - answered, not dropped
+                return self.boundary.reject(msg, e)
         if isinstance(msg, AbortReq):
             return self.abort(msg)
         if isinstance(msg, FlushCacheReq):
@@ -112,7 +117,7 @@ class Scheduler:
             return self.runner.destroy_weights_update_group(msg.group_name)
         if isinstance(msg, GetWeightsByNameReq):
             self.sync()
-            return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
+            return self.runner.get_weights_by_name(msg.name, msg.truncate_size, msg.max_elements)
         if isinstance(msg, ReleaseMemoryReq):
             return self._memory_op(release=True)
         if isinstance(msg, ResumeMemoryReq):
@@ -357,13 +362,13 @@ class Scheduler:
         if batch is None:
             return self._idle()
         self._mark_launched(batch)
-        self._process(batch, self.timer.run(self.runner, batch))
+        self._process(batch, self.boundary.run(batch))
         self._end_step()
         return True
 
     def _step_overlap(self) -> bool:
         """Launch batch N+1, then process batch N while N+1 computes."""
-        if self.in_flight is not None and not self.in_flight.batch.is_decode:
+        if self.in_flight is not None and (not self.in_flight.batch.is_decode or self.boundary.must_sync):
             self.sync()  # a prefill's requests join decode only once its result is known
         batch = None if self.paused else self.get_next_batch()
         prev, self.in_flight = self.in_flight, None
@@ -371,7 +376,7 @@ class Scheduler:
             self._mark_launched(batch)
             self.in_flight = self.worker.submit(batch)
         if prev is not None:
-            self._process(prev.batch, prev.result())
+            self._process(prev.batch, self.boundary.resolve(prev))
         if batch is None and prev is None:
             return self._idle()
         self._end_step()
@@ -402,7 +407,7 @@ class Scheduler:
         nothing in flight)."""
         if self.in_flight is not None:
             prev, self.in_flight = self.in_flight, None
-            self._process(prev.batch, prev.result())
+            self._process(prev.batch, self.boundary.resolve(prev))
             self._flush_outputs()
 
     def _end_step(self) -> None:
@@ -457,7 +462,7 @@ class Scheduler:
             status = adder.add_chunked_req(self.chunked_req)
         if status is AddStatus.CONTINUE:
             for req in self.policy.order(self.waiting):
-                status, _ = adder.add_one_req(req)
+                status = self.boundary.admit(adder, req)
                 if status is not AddStatus.CONTINUE or adder.plan.new_chunked_req is not None:
                     break
         plan = adder.plan
@@ -584,7 +589,11 @@ class Scheduler:
                 self._finish(req, req.to_finish, insert=True)
                 continue
             if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
-                self._record_input_logprobs(req, batch, i, result)
+                with self.boundary.guard(req, "recording its prompt logprobs"):
+                    self._record_input_logprobs(req, batch, i, result)
+                if req.finished:  # that failed: the request ends here
+                    self._finish(req, req.finish_reason, insert=True)
+                    continue
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)
                 req.status = ReqStatus.CHUNKED
@@ -594,7 +603,8 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:
                 req.finish_reason = FinishReason("length", length=0)
             else:
-                self._accept_token(req, result, i)
+                with self.boundary.guard(req, "processing its output"):
+                    self._accept_token(req, result, i)
             if req.finished:
                 self._finish(req, req.finish_reason, insert=True)
             else:
@@ -609,11 +619,12 @@ class Scheduler:
             if req.finished:
                 continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
-            self._accept_token(req, result, i)
+            with self.boundary.guard(req, "processing its output"):
+                self._accept_token(req, result, i)
+                if not req.finished:
+                    self._maybe_stream(req)
             if req.finished:
                 finished.append(req)
-            else:
-                self._maybe_stream(req)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

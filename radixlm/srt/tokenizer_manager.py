@@ -27,6 +27,7 @@ from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Ca
                                        abort_reason, terminal_output)
 from radixlm.srt.results import absorb, early_abort_results, result
 from radixlm.srt.rwlock import RWLock
+from radixlm.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,14 @@ def _assign_rids(kw: dict) -> tuple[list[str], bool]:
     Returns the rids and whether the call is a batch."""
     import uuid
     prompt, input_ids = kw.get("prompt"), kw.get("input_ids")
-    is_batch = isinstance(prompt, list) or bool(input_ids and isinstance(input_ids, list)
-                                                and isinstance(input_ids[0], list))
-    n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if is_batch else 1)
+    id_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+    is_batch = isinstance(prompt, list) or id_batch
+    n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if id_batch else 1)
     if kw.get("rid") is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
         kw["rid"] = rids if is_batch else rids[0]
     rid = kw["rid"]
-    return (list(rid) if isinstance(rid, list) else [rid]), is_batch
+    return ([r for r in rid if isinstance(r, str)] if isinstance(rid, list) else [rid]), is_batch
 
 
 def _n_hints(sampling_params, k: int) -> list[int]:
@@ -83,6 +84,7 @@ class TokenizerManager:
         self.tokenizer_path: str = args.tokenizer_path or self.model_path
         # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
+        self.limits = RequestLimits.from_args(args)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
@@ -149,6 +151,8 @@ class TokenizerManager:
         if st is None:
             self.table.drop(o.out)  # answered already (aborted): nothing more is delivered
             return
+        if o.failed:  # ended by the detokenizer: stop its generation too (once: st is done now)
+            self.to_scheduler.send(AbortReq(rids=[st.sched_rid], sent_time=time.time()))
         now = time.perf_counter()
         if o.out.new_token_ids:
             if st.first_token_time is None:
@@ -374,9 +378,10 @@ class TokenizerManager:
     def update_weight_version(self, weight_version: str) -> None:
         self.weight_version = str(weight_version)
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
         try:
-            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
+            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size,
+                                                      max_elements=max_elements))
         except RuntimeError as e:
             raise ValueError(str(e).split(": ", 1)[-1]) from None
 
@@ -392,7 +397,8 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
-        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len, **kw)
+        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len,
+                                  limits=self.limits, **kw)
 
     def _check_serving(self) -> None:
         if self.dead:
@@ -438,7 +444,8 @@ class TokenizerManager:
         """Long texts are tokenized off the event loop so other requests keep flowing; an abort
         of every prompt meanwhile answers the caller at once (None)."""
         prompt = kw.get("prompt")
-        size = sum(map(len, prompt)) if isinstance(prompt, list) else len(prompt or "")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        size = sum(len(t) for t in texts if isinstance(t, str))
         kwargs = {k: v for k, v in kw.items() if k != "return_text_in_logprobs"}
         if size < TOKENIZE_INLINE_MAX_CHARS:
             return self.normalize(**kwargs)[0]

@@ -52,7 +52,7 @@ def test_requests_held_while_paused_are_never_admitted_when_aborted(engine):
 
 
 def test_timeout_is_503_with_partial_output(engine):
-    out = engine.generate(input_ids=random_prompt(3, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+    out = engine.generate(input_ids=random_prompt(3, 10), sampling_params={"max_new_tokens": 2000, **GREEDY},
                           timeout=0.3)
     fr = out["meta_info"]["finish_reason"]
     assert fr["type"] == "abort" and fr["status_code"] == 503
@@ -143,7 +143,7 @@ def test_a_dead_scheduler_fails_requests_instead_of_hanging(tiny_llama_dir):
     import signal
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=512)
     try:
-        stream = eng.generate(input_ids=random_prompt(9, 10), sampling_params={"max_new_tokens": 100_000, **GREEDY},
+        stream = eng.generate(input_ids=random_prompt(9, 10), sampling_params={"max_new_tokens": 2000, **GREEDY},
                               stream=True)
         next(stream)
         os.kill(eng.procs.procs["scheduler"].pid, signal.SIGKILL)
