@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
     from radixlm.srt.model_runner.config import RunnerConfig
+    from radixlm.validation import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,28 @@ class ServerArgs:
     log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
     host: str = _opt("HTTP host", default="127.0.0.1")
     port: int = _opt("HTTP port", default=30000)
+    # ---- security and limits (README "Security and limits"; radixlm/validation.py) ----
+    api_key: str | None = _opt("require `Authorization: Bearer <key>` (or x-api-key) on every route but "
+                               "/health* and /metrics", default=None)
+    admin_api_key: str | None = _opt("key for the control routes (pause, weights, memory, flush, abort); "
+                                     "without it they take --api-key", default=None)
+    allowed_hosts: str | None = _opt("more Host names (comma-separated) a browser may use to reach a server "
+                                     "bound to a loopback address, e.g. behind a reverse proxy", default=None)
+    max_payload_size: int = _opt("largest HTTP request body in bytes (413 beyond)", default=16 * 1024 * 1024)
+    max_n: int = _opt("largest n (choices per prompt) a request may ask for", default=128)
+    max_sequences_per_request: int = _opt("largest prompts x n of one call", default=8192)
+    max_top_logprobs_num: int = _opt("largest top_logprobs_num / top_logprobs / logprobs", default=20)
+    max_grammar_chars: int = _opt("largest json_schema / regex / ebnf, in characters", default=65536)
+    max_json_nesting: int = _opt("deepest nesting of lists and objects in a request body or JSON schema",
+                                 default=64)
+    max_weights_response_elements: int = _opt("most tensor elements /get_weights_by_name returns",
+                                              default=1 << 20)
+    allow_client_chat_template: bool = _opt("let chat requests replace the chat template "
+                                            "(chat_template_kwargs.chat_template); rendered in a worker "
+                                            "process with a time limit", default=False)
+    chat_template_timeout: float = _opt("time limit (s) of rendering a client's chat template", default=5.0)
+    http_header_timeout: float = _opt("seconds a client may take to send a request's headers", default=30.0)
+    http_body_timeout: float = _opt("seconds a client may take to send a request's body", default=120.0)
 
     def overlap_schedule(self, device: str) -> bool:
         if self.disable_overlap_schedule:
@@ -179,6 +202,10 @@ class ServerArgs:
     def runner_config(self) -> "RunnerConfig":
         from radixlm.srt.model_runner.config import RunnerConfig
         return RunnerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunnerConfig)})
+
+    def request_limits(self) -> "RequestLimits":
+        from radixlm.validation import RequestLimits
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
 
     def prefix_cache_config(self) -> "PrefixCacheConfig":
         from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
@@ -218,6 +245,16 @@ class ServerArgs:
             raise ValueError("tp_size must be >= 1")
         if self.dist_timeout <= 0:
             raise ValueError("dist_timeout must be > 0 seconds")
+        for name in ("max_payload_size", "max_n", "max_sequences_per_request", "max_grammar_chars",
+                     "max_json_nesting", "max_weights_response_elements"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_json_nesting > 256:  # validation.MAX_NESTING_CEILING
+            raise ValueError("max_json_nesting must be <= 256")
+        if self.max_top_logprobs_num < 0:
+            raise ValueError("max_top_logprobs_num must be >= 0")
+        if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
+            raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):

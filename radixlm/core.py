@@ -23,7 +23,7 @@ __all__ = ["Req", "FinishReason", "SamplingParams", "TOP_K_ALL", "KV_FIELDS"]
 
 # The fields only the cache manager writes (test_layering checks that no other module does).
 KV_FIELDS = ("req_pool_idx", "last_node", "cache_protected_len", "kv_committed_len", "kv_allocated_len",
-             "prefix_len", "cached_tokens")
+             "prefix_len", "cached_tokens", "kv_poisoned")
 
 
 @dataclass
@@ -78,6 +78,9 @@ class Req:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     prefix_len: int = 0  # tokens matched in the prefix cache at admission
+    # Set when a forward or the processing of this request failed: its KV may be half
+    # written, so its release frees the slots instead of publishing them in the prefix cache.
+    kv_poisoned: bool = False
     # Overlap scheduling: launched batches holding this request whose results are not yet
     # processed, and tokens sampled by them but not yet appended to output_ids.
     inflight: int = 0

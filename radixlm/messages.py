@@ -67,12 +67,15 @@ class CheckIntegrityReq(RpcReq):
 class UpdateWeightsFromTensorReq(RpcReq):
     named_tensors: list = field(default_factory=list)  # [(hf_name, tensor)]
     flush_cache: bool = True
+    # extra_key of requests computed from now on: requests with no KV yet move to it
+    cache_namespace: str | None = None
 
 
 @dataclass
 class UpdateWeightsFromDiskReq(RpcReq):
     model_path: str = ""
     flush_cache: bool = True
+    cache_namespace: str | None = None  # as in UpdateWeightsFromTensorReq
 
 
 @dataclass
@@ -94,7 +97,7 @@ class UpdateWeightsFromDistributedReq(RpcReq):
     shapes: list[list[int]] = field(default_factory=list)
     group_name: str = "weight_update_group"
     flush_cache: bool = True
-
+    cache_namespace: str | None = None  # as in UpdateWeightsFromTensorReq
 
 @dataclass
 class DestroyWeightsUpdateGroupReq(RpcReq):
@@ -105,6 +108,7 @@ class DestroyWeightsUpdateGroupReq(RpcReq):
 class GetWeightsByNameReq(RpcReq):
     name: str = ""
     truncate_size: int = 100
+    max_elements: int | None = None  # refuse a larger answer (HTTP: --max-weights-response-elements)
 
 
 @dataclass
@@ -166,6 +170,9 @@ class ReqTextOutput:
     """ReqOutput after detokenization: `new_text` is the newly released text."""
     out: ReqOutput
     new_text: str
+    # The detokenizer could not handle this request and ended it (out.finish_reason is its
+    # 500 abort); the scheduler still runs it until the tokenizer manager's abort arrives.
+    failed: bool = False
 
 
 @dataclass

@@ -37,6 +37,9 @@ class WorkerBatch:
     # the batch is built. The forward masks the logits with it and accepts the sampled token
     # right away, so the next launched batch always sees an up-to-date matcher.
     grammars: list[Any] | None = None
+    # Set by the runner once it has advanced the matchers by this batch's tokens: a batch that
+    # fails after that cannot simply be run again for its grammar rows (error_boundary.py).
+    grammars_advanced: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -97,7 +100,8 @@ class ModelRunnerProtocol(Protocol):
     def update_weights_from_disk(self, model_path: str) -> int:
         ...
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list[Any]:
+        """The first `truncate_size` rows of a weight; refuses an answer over `max_elements`."""
         ...
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,

@@ -233,7 +233,8 @@ class CacheManager:
         retract); insert=False frees them (errors)."""
         row = self._req_row(req)
         cpl, allocated = req.cache_protected_len, req.kv_allocated_len
-        if insert and not self.prefix.disabled:
+        # KV a failed forward may have half written is freed, never published (error_boundary.py)
+        if insert and not req.kv_poisoned and not self.prefix.disabled:
             aligned = self.prefix.page_align(req.kv_committed_len)
             key = RadixKey(req.fill_ids[:aligned], req.extra_key)
             present = self.prefix.insert(key, row[:aligned], priority=req.priority)
@@ -251,6 +252,12 @@ class CacheManager:
         req.cache_protected_len = 0
         req.kv_committed_len = 0
         req.kv_allocated_len = 0
+        req.kv_poisoned = False
+
+    def poison(self, req: Req) -> None:
+        """A forward or the processing of `req` failed: the KV it holds may be half written, so
+        its release frees it instead of publishing it (error_boundary.py)."""
+        req.kv_poisoned = True
 
     def flush(self) -> None:
         self.prefix.reset()

@@ -53,7 +53,10 @@ def dispatch(s: Scheduler, msg: object) -> object:
 
 @_handles(TokenizedGenerateReq)
 def _generate(s: Scheduler, msg: TokenizedGenerateReq) -> None:
-    s.add_request(msg)
+    try:
+        s.add_request(msg)
+    except Exception as e:  # noqa: BLE001 - answered, not dropped
+        s.boundary.reject(msg, e)
 
 
 @_handles(AbortReq)
@@ -87,28 +90,49 @@ def _continue(s: Scheduler, msg: ContinueReq) -> bool:
     return s.resume()
 
 
-def _weights_op(s: Scheduler, op: Callable[[], int], flush: bool) -> dict[str, Any]:
+def _weights_op(s: Scheduler, op: Callable[[], int], flush: bool, namespace: str | None) -> dict[str, Any]:
     """Weights change only between forwards: the launched batch resolves first. The cache is
     namespaced by weight version, so old KV is never served afterwards."""
     s.sync()
     n = op()
-    return {"num_tensors": n, "flushed": s.flush_cache() if flush else False}
+    live = _move_to_new_weights(s, namespace) if namespace is not None else {}
+    return {"num_tensors": n, "flushed": s.flush_cache() if flush else False, "live_output_lens": live}
+
+
+def _move_to_new_weights(s: Scheduler, namespace: str) -> dict[str, int]:
+    """Requests are here during an update only if the engine is paused (the front end's lock
+    waits for all others). One with no KV of its own (waiting, retracted, grammar) computes
+    everything under the new weights, so it moves to the new cache namespace; a chunked
+    prefill is retracted first (its chunks are old-weights KV, and it has no token yet); a
+    running (in_place) request keeps its KV and continues on it. Returns each live request's
+    output length at the switch (meta_info["weight_versions"])."""
+    from radixlm.scheduler.requests import Place
+
+    chunked = s.chunked_req
+    if chunked is not None:
+        s._retract(chunked)
+    for req in s.requests.reqs(Place.WAITING, Place.GRAMMAR):
+        req.extra_key = namespace
+    return {r.rid: len(r.output_ids) for r in s.requests.reqs(Place.RUNNING, Place.WAITING, Place.GRAMMAR)}
 
 
 @_handles(UpdateWeightsFromTensorReq)
 def _update_from_tensor(s: Scheduler, msg: UpdateWeightsFromTensorReq) -> dict[str, Any]:
-    return _weights_op(s, lambda: s.runner.update_weights_from_tensor(msg.named_tensors), msg.flush_cache)
+    return _weights_op(s, lambda: s.runner.update_weights_from_tensor(msg.named_tensors), msg.flush_cache,
+                       msg.cache_namespace)
 
 
 @_handles(UpdateWeightsFromDiskReq)
 def _update_from_disk(s: Scheduler, msg: UpdateWeightsFromDiskReq) -> dict[str, Any]:
-    return _weights_op(s, lambda: s.runner.update_weights_from_disk(msg.model_path), msg.flush_cache)
+    return _weights_op(s, lambda: s.runner.update_weights_from_disk(msg.model_path), msg.flush_cache,
+                       msg.cache_namespace)
 
 
 @_handles(UpdateWeightsFromDistributedReq)
 def _update_from_distributed(s: Scheduler, msg: UpdateWeightsFromDistributedReq) -> dict[str, Any]:
     return _weights_op(s, lambda: s.runner.update_weights_from_distributed(msg.names, msg.dtypes, msg.shapes,
-                                                                          msg.group_name), msg.flush_cache)
+                                                                          msg.group_name), msg.flush_cache,
+                       msg.cache_namespace)
 
 
 @_handles(InitWeightsUpdateGroupReq)
@@ -125,7 +149,7 @@ def _destroy_weights_group(s: Scheduler, msg: DestroyWeightsUpdateGroupReq) -> d
 @_handles(GetWeightsByNameReq)
 def _get_weights(s: Scheduler, msg: GetWeightsByNameReq) -> list[Any]:
     s.sync()
-    return s.runner.get_weights_by_name(msg.name, msg.truncate_size)
+    return s.runner.get_weights_by_name(msg.name, msg.truncate_size, msg.max_elements)
 
 
 def _memory_op(s: Scheduler, release: bool) -> bool:
@@ -156,6 +180,7 @@ def server_info(s: Scheduler) -> dict[str, Any]:
     reqs = s.requests
     tier = s.cache.tier_stats()
     return {"cancel_latency_s": s.cancel_latency.percentiles(), "cancel_latency_hist": s.cancel_latency.histogram(),
+            "recent_cancels": s.cancel_latency.recent_cancels(),
             "paused": s.paused, "overlap": s.overlap, "forward_idle_fraction": round(s.timer.idle_fraction(), 4),
             "memory": s.cache.memory_stats(), "num_running_reqs": reqs.count(Place.RUNNING),
             "num_waiting_reqs": reqs.count(Place.WAITING, Place.CHUNKED),

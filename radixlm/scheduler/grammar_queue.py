@@ -167,6 +167,8 @@ def grammar_finish(req: Req, status: str | None, token: int) -> None:
         return
     if status == "terminated":
         req.finish_reason = FinishReason("stop", matched=token)
+    elif status == "error":
+        req.finish_reason = FinishReason.abort("internal error: the grammar matcher failed", status_code=500)
     elif status == "rejected":
         # Cannot happen while the mask is applied; answer rather than emit invalid output.
         logger.error("%s: the grammar rejected sampled token %d", req.rid, token)

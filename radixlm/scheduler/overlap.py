@@ -13,6 +13,7 @@ seeds and min_new_tokens only need the snapshot's length, which is right either 
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,9 +109,13 @@ class ForwardWorker:
         if self._pool is not None:
             return InFlight(batch, self._pool.submit(self._launch, batch), self.timer)
         done: Future[LaunchedForward] = Future()
-        done.set_result(self._launch(batch))
+        try:
+            done.set_result(self._launch(batch))
+        except Exception as e:  # noqa: BLE001 - raised again by result(), where the error boundary replays it
+            done.set_exception(e)
         launched = InFlight(batch, done, self.timer)
-        launched.result()  # overlap off: the forward runs to its result now
+        with contextlib.suppress(Exception):
+            launched.result()  # overlap off: the forward runs to its result now (a failure: at result())
         return launched
 
     def _launch(self, batch: WorkerBatch) -> LaunchedForward:

@@ -23,6 +23,7 @@ from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatc
 from radixlm.scheduler.batch_builder import decode_batch, prefill_batch
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.config import SchedulerConfig
+from radixlm.scheduler.error_boundary import ErrorBoundary
 from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue
 from radixlm.scheduler.output import StopStringChecker, Tokenizer, accept_token, make_output, record_input_logprobs
 from radixlm.scheduler.overlap import ForwardWorker, InFlight
@@ -64,6 +65,7 @@ class Scheduler:
         self.paused = False
         self.stats = SchedulerStats()
         self.cancel_latency = CancelLatency()
+        self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
 
     # ================================================================ where requests are
     @property
@@ -196,7 +198,7 @@ class Scheduler:
         if batch is None and done is None:
             return self._idle()
         if done is not None:
-            self.postprocess(done.batch, done.result())
+            self.postprocess(done.batch, self.boundary.resolve(done))
         self._end_step()
         return True
 
@@ -206,8 +208,10 @@ class Scheduler:
 
     def schedule(self) -> WorkerBatch | None:
         """The next batch: prefill when any request can be admitted, else a decode step."""
-        if self.in_flight is not None and not self.in_flight.batch.is_decode:
-            self.sync()  # a prefill's requests join decode only once its result is known
+        if self.in_flight is not None and (not self.in_flight.batch.is_decode or self.boundary.must_sync):
+            # a prefill's requests join decode only once its result is known; a batch to be
+            # replayed (error_boundary.py) is processed before another is built on it
+            self.sync()
         if self.paused:
             return None
         batch = self.get_prefill_batch()
@@ -220,7 +224,7 @@ class Scheduler:
         nothing in flight)."""
         if self.in_flight is not None:
             prev, self.in_flight = self.in_flight, None
-            self.postprocess(prev.batch, prev.result())
+            self.postprocess(prev.batch, self.boundary.resolve(prev))
             self._flush_outputs()
 
     def _launch(self, batch: WorkerBatch) -> InFlight:
@@ -271,7 +275,7 @@ class Scheduler:
             status = adder.add_chunked_req(chunked)
         if status is AddStatus.CONTINUE:
             for req in self.policy.order(waiting):
-                status, _ = adder.add_one_req(req)
+                status = self.boundary.admit(adder, req)
                 if status is not AddStatus.CONTINUE or adder.plan.new_chunked_req is not None:
                     break
         plan = adder.plan
@@ -356,6 +360,7 @@ class Scheduler:
             if req.inflight == 0 and self.requests.where(req) is Place.RELEASING:
                 self.requests.remove(req)
                 self.cache.release(req, insert=True)
+                self._on_released(req)
 
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:
         for i, req in enumerate(batch.reqs):
@@ -365,7 +370,11 @@ class Scheduler:
                 continue
             if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
                 # also when this chunk computed none (a one-token prompt): position 0's entry
-                record_input_logprobs(req, batch.input_logprob_targets[i], result, i)
+                with self.boundary.guard(req, "recording its prompt logprobs"):
+                    record_input_logprobs(req, batch.input_logprob_targets[i], result, i)
+                if req.finish_reason is not None:  # that failed: the request ends here
+                    self._finish(req, req.finish_reason)
+                    continue
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)
                 self.requests.put(req, Place.CHUNKED)
@@ -373,7 +382,8 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:
                 req.finish_reason = FinishReason("length", length=0)
             else:
-                accept_token(req, result, i, self.stop_checker)
+                with self.boundary.guard(req, "processing its output"):
+                    accept_token(req, result, i, self.stop_checker)
             if req.finish_reason is not None:
                 self._finish(req, req.finish_reason)
             else:
@@ -387,11 +397,12 @@ class Scheduler:
             if req.finished:
                 continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
-            accept_token(req, result, i, self.stop_checker)
+            with self.boundary.guard(req, "processing its output"):
+                accept_token(req, result, i, self.stop_checker)
+                if req.finish_reason is None:
+                    self._maybe_stream(req)
             if req.finish_reason is not None:
                 finished.append(req)
-            else:
-                self._maybe_stream(req)
         for req in finished:
             assert req.finish_reason is not None
             self._finish(req, req.finish_reason)
@@ -405,12 +416,18 @@ class Scheduler:
         req.finished_time = time.perf_counter()
         if req.inflight > 0:
             self.requests.put(req, Place.RELEASING)  # a launched batch may still write its KV
-        elif req.req_pool_idx is not None:
-            self.cache.release(req, insert=insert)
-        if req.abort_sent_time is not None and reason.type == "abort":
-            self.cancel_latency.add(max(0.0, time.time() - req.abort_sent_time))
+        else:
+            if req.req_pool_idx is not None:
+                self.cache.release(req, insert=insert)
+            self._on_released(req)
         self.stats.num_finished += 1
         self._emit(req)
+
+    def _on_released(self, req: Req) -> None:
+        """A finished request's KV is back: the cancel latency (abort call -> KV returned)."""
+        reason = req.finish_reason
+        if req.abort_sent_time is not None and reason is not None and reason.type == "abort":
+            self.cancel_latency.add(req.rid, req.abort_sent_time, time.time())
 
     def _maybe_stream(self, req: Req) -> None:
         if req.stream and len(req.output_ids) - req.sent_len >= self.config.stream_interval:

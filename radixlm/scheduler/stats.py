@@ -30,6 +30,10 @@ class SchedulerStats:
     aborts_grammar: int = 0
     num_timeouts: int = 0
     num_rejected: int = 0
+    # the error boundary (error_boundary.py): requests ended by a failure of their own, and
+    # batches run again row by row after a forward failed
+    num_request_errors: int = 0
+    num_batch_replays: int = 0
 
     def count_abort(self, where: str) -> None:
         name = f"aborts_{where}"
@@ -49,8 +53,12 @@ class CancelLatency:
     counts: list[int] = field(default_factory=lambda: [0] * len(CANCEL_LATENCY_BUCKETS))
     total: float = 0.0
     count: int = 0
+    # (rid, abort call, KV returned) wall times of the latest cancels (latency benchmarks)
+    recent: collections.deque[tuple[str, float, float]] = field(default_factory=lambda: collections.deque(maxlen=256))
 
-    def add(self, latency: float) -> None:
+    def add(self, rid: str, sent: float, returned: float) -> None:
+        latency = max(0.0, returned - sent)
+        self.recent.append((rid, sent, returned))
         self.window.append(latency)
         self.total += latency
         self.count += 1
@@ -62,6 +70,9 @@ class CancelLatency:
         lat = sorted(self.window)
         return {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
                 "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
+
+    def recent_cancels(self) -> list[list[Any]]:
+        return [list(c) for c in self.recent]
 
     def histogram(self) -> dict[str, Any]:
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total, "count": self.count}

@@ -25,26 +25,51 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 
+from radixlm.srt.http_auth import auth_of
 from radixlm.srt.http_utils import ORJSONResponse
 from radixlm.srt.metrics_sglang import DecodeRate
 from radixlm.version import __version__ as RADIXLM_VERSION
 
 
-async def server_info(ctx) -> dict:
+async def server_info(ctx, admin: bool = True) -> dict:
     """The worker's server info: the runtime's state, the server args both nested (radixlm's
-    `server_args`) and as SGLang's top-level fields, and this process's runtime pids."""
+    `server_args`) and as SGLang's top-level fields, and (for admins) this process's runtime
+    pids. Secrets never; file system paths only for admins."""
     tm, args = ctx.tm, ctx.args
     info = await tm.get_server_info()
-    info["server_args"] = dataclasses.asdict(args)
+    info["server_args"] = public_server_args(args)
     info["served_model_name"] = ctx.served_model_name
-    info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
-                       "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
+    if admin:  # paths and pids only for whoever may use the control routes
+        info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
+                           "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
     # One engine per worker: a `radixlm serve --dp-size N` fleet registers N workers of
     # dp_size 1 (a dp_size > 1 here would make a dp-aware gateway address ranks we lack).
     info.update(model_path=tm.model_path, tokenizer_path=tm.tokenizer_path,
-                version=RADIXLM_VERSION, tp_size=1, dp_size=1, pp_size=1, is_embedding=False,
+                version=RADIXLM_VERSION, tp_size=args.tp_size, dp_size=1, pp_size=1, is_embedding=False,
                 context_length=tm.context_len, max_total_tokens=info["memory"]["capacity"],
                 page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens)
+    return info if admin else redact_paths(info)
+
+
+# Server args that are secrets or local paths: never in /get_server_info.
+SECRET_ARGS = ("api_key", "admin_api_key")
+PATH_ARGS = ("model_path", "tokenizer_path")
+
+
+def public_server_args(args) -> dict:
+    d = dataclasses.asdict(args)
+    for name in SECRET_ARGS:
+        if d.get(name) is not None:
+            d[name] = "<set>"
+    return d
+
+
+def redact_paths(info: dict) -> dict:
+    """/get_server_info for callers without admin access: no file system paths."""
+    info = dict(info)
+    info["server_args"] = {k: (None if k in PATH_ARGS else v) for k, v in info["server_args"].items()}
+    for k in PATH_ARGS:
+        info.pop(k, None)
     return info
 
 
@@ -83,7 +108,7 @@ def add_worker_routes(app: FastAPI, ctx_of: Callable[[Request], object]) -> None
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info(request: Request):
-        return ORJSONResponse(await server_info(ctx_of(request)))
+        return ORJSONResponse(await server_info(ctx_of(request), admin=auth_of(request).admin))
 
     @app.get("/model_info")
     @app.get("/get_model_info")

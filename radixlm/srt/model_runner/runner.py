@@ -235,15 +235,17 @@ class ModelRunner:
         self.model_path = path
         return n
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
         """The first `truncate_size` rows of the whole tensor; under TP gathered from the ranks."""
         from radixlm.srt.distributed.weight_parts import assemble
-        from radixlm.srt.model_runner.weight_updater import WeightUpdater
+        from radixlm.srt.model_runner.weight_updater import WeightUpdater, check_response_size
         updater = WeightUpdater(self.model)
         if self.tp.size == 1:
-            return updater.get(name, truncate_size)
-        part = self.tp.control.agreed(lambda: updater.get_part(name, truncate_size))
-        return assemble(self.tp.control.all_gather(part)).float().tolist()
+            return updater.get(name, truncate_size, max_elements)
+        part = self.tp.control.agreed(lambda: updater.get_part(name, truncate_size, max_elements))
+        whole = assemble(self.tp.control.all_gather(part))
+        check_response_size(name, truncate_size, whole.numel(), max_elements)
+        return whole.float().tolist()
 
     def release_memory(self) -> None:
         """Free the KV pool; on a GPU also move the weights to host memory."""
@@ -345,6 +347,7 @@ class ModelRunner:
                 tokens.index_copy_(0, device_tensor(sample_idx, torch.int64, tokens.device), sampled.ids)
             if matchers:  # the host needs these tokens now: this waits for the forward
                 status: list[str | None] = [None] * n
+                batch.grammars_advanced = True
                 for i, st in zip(sample_idx, advance_matchers(matchers, sampled.ids.tolist())):
                     status[i] = st
                 ready["grammar_status"] = status

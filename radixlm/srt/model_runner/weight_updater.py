@@ -73,14 +73,19 @@ class WeightUpdater:
         """Copy the tensors into the model; returns how many were applied."""
         return self.apply(self.plan(named_tensors, sharded))
 
-    def get(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` rows of the parameter (as SGLang returns them)."""
-        _, rows = self.get_part(name, truncate_size)
+    def get(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
+        """The first `truncate_size` rows of the parameter (as SGLang returns them); a
+        ValueError instead when that is more than `max_elements` numbers."""
+        _, rows = self.get_part(name, truncate_size, max_elements)
         return rows.float().tolist()
 
-    def get_part(self, name: str, truncate_size: int = 100) -> tuple[object, torch.Tensor]:
+    def get_part(self, name: str, truncate_size: int = 100,
+                 max_elements: int | None = None) -> tuple[object, torch.Tensor]:
         """(this rank's Shard of the tensor or None, the part of it inside the tensor's first
-        `truncate_size` rows). On one rank: (None, those rows)."""
+        `truncate_size` rows). On one rank: (None, those rows). The part is checked against
+        `max_elements` before it is copied."""
+        if not isinstance(truncate_size, int) or truncate_size < 1:
+            raise ValueError(f"truncate_size must be a positive integer, got {truncate_size!r}")
         if name == "lm_head.weight" and self.model.lm_head is None:
             name = "model.embed_tokens.weight"  # tied: the head is the embedding
         shard = self._shard(name)
@@ -90,6 +95,16 @@ class WeightUpdater:
         if dest is None:
             raise ValueError(f"weight {name!r} is not stored by the model")
         if shard is not None and shard.dim == 0:
-            keep = max(0, min(shard.stop, truncate_size) - shard.start)
-            return shard, dest[:keep].detach().cpu().clone()
-        return shard, dest[:truncate_size].detach().cpu().clone()
+            rows = dest[:max(0, min(shard.stop, truncate_size) - shard.start)]
+        else:
+            rows = dest[:truncate_size]
+        check_response_size(name, truncate_size, rows.numel(), max_elements)
+        return shard, rows.detach().cpu().clone()
+
+
+def check_response_size(name: str, truncate_size: int, numel: int, max_elements: int | None) -> None:
+    """/get_weights_by_name answers at most `max_elements` numbers (a large truncate_size
+    would otherwise serialize hundreds of MB)."""
+    if max_elements is not None and numel > max_elements:
+        raise ValueError(f"{name} truncated to {truncate_size} rows has {numel} elements, more than "
+                         f"{max_elements} (server flag --max-weights-response-elements); ask for fewer rows")
