@@ -20,7 +20,7 @@ import time
 import torch
 
 from radixlm.srt.model_runner.forward_batch import ForwardMode
-from test.gpu.harness import KVWorld, make_backend
+from test.support.gpu_harness import KVWorld, make_backend
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 

@@ -13,7 +13,7 @@ import torch
 from radixlm.kernels.indices import build_indptr
 from radixlm.kernels.reference import decode_attention_ref, extend_attention_ref
 from radixlm.srt.model_runner.forward_batch import ForwardMode
-from test.gpu.harness import CudaModelHarness, KVWorld, make_backend
+from test.support.gpu_harness import CudaModelHarness, KVWorld, make_backend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from radixlm.config import ServerArgs
-from test.engine_checks import random_prompt
-from test.overlap_batches import decode_batch, free_reqs, make_req, prefill_batch
+from test.support.engine_checks import random_prompt
+from test.support.overlap_batches import decode_batch, free_reqs, make_req, prefill_batch
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CUDA: the checks of test/integration/test_tensor_parallel.py with the
+"""Tensor parallelism on CUDA: the checks of test/support/tp_checks.py with the
 ranks on GPUs (overlap scheduling on, as it is by default on CUDA).
 
 - `nccl`: one GPU per rank, NCCL between them (needs 2 GPUs);
@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from radixlm import Engine
-from test.integration.test_tensor_parallel import (ARGS, check_dead_rank, check_greedy_identical, check_storm,
-                                                   check_trainer_broadcast)
+from test.support.tp_checks import ARGS, check_dead_rank, check_greedy_identical, check_storm, check_trainer_broadcast
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 BACKENDS = [pytest.param("nccl", marks=pytest.mark.skipif(GPUS < 2, reason="NCCL tensor parallelism needs 2 GPUs")),

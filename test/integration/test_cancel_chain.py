@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixlm import Engine
-from test.engine_checks import assert_idle_and_empty, random_prompt
+from test.support.engine_checks import assert_idle_and_empty, random_prompt
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 LONG = {"max_new_tokens": 1500, **GREEDY}  # far longer than any test waits: ends by abort only

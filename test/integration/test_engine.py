@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixlm import Engine
-from test.engine_checks import assert_kv_conserved
+from test.support.engine_checks import assert_kv_conserved
 
 
 @pytest.fixture(scope="module", params=["overlap", "normal"])

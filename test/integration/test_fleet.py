@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from test.integration.test_http_server import ServerProcess, free_port, pid_alive
+from test.support.server import ServerProcess, free_port, pid_alive, sse_events
 
 smg_rl = pytest.importorskip("smg.rl", reason="the smg gateway (dev extra) is not installed")
 
@@ -141,10 +141,6 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
     return s
 
 
-def _sse(lines) -> list:
-    return [json.loads(x[5:]) if x[5:].strip() != "[DONE]" else "[DONE]" for x in lines if x.startswith("data:")]
-
-
 def _fanout(gw_url: str, path: str, body: dict | None = None) -> smg_rl.FanoutResult:
     return smg_rl.RL(gw_url, timeout=120).fanout(path, {} if body is None else body, selector=SELECTOR)
 
@@ -181,7 +177,7 @@ def test_native_generate_through_the_gateway(gw, workers):
     assert out.json()["output_ids"] == direct["output_ids"] and out.json()["text"] == direct["text"]
     with gw.stream("POST", "/generate", json={**body, "stream": True}) as r:
         assert r.status_code == 200
-        events = _sse(r.iter_lines())
+        events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["text"] == direct["text"]
     assert events[-2]["meta_info"]["finish_reason"]["type"] == "length"
     batch = gw.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 3}})
@@ -261,7 +257,7 @@ def test_abort_all_fans_out_to_every_worker(gateway, workers):
     def stream(i: int) -> None:  # one long stream on each worker, sent to it directly
         with workers[i].client.stream("POST", "/generate", json={"text": f"w{i}", "stream": True,
                                                                  "sampling_params": LONG}) as r:
-            results[i] = _sse(r.iter_lines())
+            results[i] = sse_events(r.iter_lines())
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
@@ -321,7 +317,7 @@ def test_gateway_retries_never_leave_an_attempt_running(workers, tmp_path_factor
         with httpx.stream("POST", gw.url + "/generate", timeout=60,
                           json={"input_ids": [3, 1, 4], "stream": True, "sampling_params": LONG}) as s:
             assert s.status_code == 200
-            events = _sse(s.iter_lines())
+            events = sse_events(s.iter_lines())
         # smg ends the cut stream with an in-band error of its own
         assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "stream_error", events[-3:]
         _wait_idle(workers)
@@ -347,7 +343,7 @@ def test_register_deregister_and_a_worker_killed_mid_stream(workers, tiny_llama_
                 with httpx.stream("POST", gw.url + "/generate", timeout=60,
                                   json={"text": f"kill {i}", "stream": True,
                                         "sampling_params": {"max_new_tokens": 700, "ignore_eos": True}}) as r:
-                    events = _sse(r.iter_lines())
+                    events = sse_events(r.iter_lines())
                 last = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
                 if "error" in last:
                     outcomes.append("error")  # smg's in-band error after the worker's stream broke
@@ -407,7 +403,7 @@ def test_builtin_dispatcher(workers, tmp_path):
         assert cached[0] == 0 and min(cached[1:]) >= 100, cached  # the prefix stays on one replica
         with c.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                             "max_tokens": 4, "stream": True}) as r:
-            assert _sse(r.iter_lines())[-1] == "[DONE]"
+            assert sse_events(r.iter_lines())[-1] == "[DONE]"
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny_llama"
         assert c.get("/server_info").json()["dp_size"] == 2
         # a client that disconnects from the dispatcher is aborted on the replica

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from radixlm.srt.weight_serialization import serialize_named_tensors
-from test.integration.test_http_abort_matrix import (TIMEOUT, Call, abort, fresh_prompt, generate_body, pause,
-                                                     resume, server_info, terminal_result, wait_info)
-from test.integration.test_http_server import ServerProcess
+from test.support.http_calls import (TIMEOUT, Call, abort, fresh_prompt, generate_body, pause, resume,
+                                     server_info, terminal_result, wait_info)
+from test.support.server import ServerProcess
 
 LONG = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
 USER_ABORT = {"type": "abort", "message": "Aborted by the client", "status_code": 200}

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .test_http_server import assert_idle, serving
+from test.support.server import assert_idle, serving
 
 # Routes fuzzed with a body. Those that change the server's state for everybody (pause,
 # memory, weights) are left out: they work as designed, and the properties would not hold.

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from .test_http_server import ServerProcess, _sse, assert_idle, serving
+from test.support.server import ServerProcess, assert_idle, serving, sse_events
 
 USER, ADMIN = "user-key", "admin-key"
 U = {"Authorization": f"Bearer {USER}"}
@@ -86,7 +86,7 @@ def _stream(server, i: int, out: dict) -> None:
     body = {"input_ids": [5, 6, 7 + i], "stream": True,
             "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}}
     with httpx.stream("POST", server.base + "/generate", json=body, headers=U, timeout=120.0) as r:
-        out[i] = (r.status_code, _sse(r.iter_lines()))
+        out[i] = (r.status_code, sse_events(r.iter_lines()))
 
 
 def test_hostile_inputs_while_other_streams_run(server, http):

@@ -1,14 +1,9 @@
-"""The HTTP server end to end: a real `radixlm serve` subprocess on a tiny random Llama,
-driven with httpx and the official openai client (OpenAI API, native API, errors, metrics,
-SIGTERM). `ServerProcess` is shared with the other test_http_* modules."""
+"""The HTTP server end to end: a real `radixlm serve` subprocess on a tiny random Llama
+(test/support/server.py), driven with httpx and the official openai client (OpenAI API, native
+API, errors, metrics, SIGTERM)."""
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,110 +11,7 @@ import httpx
 import openai
 import pytest
 
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--served-model-name", "tiny_llama")
-GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone for our purpose
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-class ServerProcess:
-    """`python -m radixlm serve` in a subprocess; its output goes to a log file."""
-
-    def __init__(self, model_dir: str, log_path: str, *extra: str, new_session: bool = False,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **(env or {}))
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm", "serve", "--model-path", model_dir,
-                                      "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *extra],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=new_session)
-        self.runtime: dict = {}
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=1.0).status_code == 200:
-                    self.runtime = self.info()["runtime"]
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def info(self) -> dict:
-        return httpx.get(self.base + "/get_server_info", timeout=10.0).json()
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="x", max_retries=0, timeout=60.0)
-
-    def stop(self, timeout: float = 15.0) -> tuple[int, float]:
-        """SIGTERM; returns (exit code, seconds to exit). Asserts nothing is left behind."""
-        t0 = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"server did not exit within {timeout} s of SIGTERM:\n{self.log()}")
-        elapsed = time.monotonic() - t0
-        self._log.close()
-        for pid in self.runtime.get("child_pids", {}).values():
-            deadline = time.monotonic() + 3.0
-            while pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not pid_alive(pid), f"child {pid} outlived the server"
-        ipc = self.runtime.get("ipc_dir")
-        assert ipc and "radixlm-ipc-" in ipc and not os.path.exists(ipc), f"stale IPC dir {ipc}"
-        return rc, elapsed
-
-
-def assert_idle(server: ServerProcess, within: float = 0.5) -> float:
-    """Waits until nothing runs or waits and no KV is held by requests; returns the wait."""
-    t0 = time.monotonic()
-    while True:
-        info = server.info()
-        mem = info["memory"]
-        if (info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and mem["protected"] == 0
-                and mem["free"] + mem["evictable"] == mem["capacity"]):
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < within, f"not idle after {within} s: {info}"
-        time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def serving(model_dir: str, log_path: str, *extra: str, cls: type[ServerProcess] | None = None):
-    """A ready server for the with-block; stopped (if still running) after it."""
-    srv = (cls or ServerProcess)(model_dir, log_path, *extra)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop()
+from test.support.server import GREEDY, serving, sse_events
 
 
 @pytest.fixture(scope="module")
@@ -260,15 +152,6 @@ def test_cached_tokens_on_repeated_long_prompt(client, http):
 
 
 # ---------------------------------------------------------------------------- native API
-def _sse(lines) -> list:
-    import json
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-    return out
-
-
 def test_generate_stream_is_cumulative_and_matches_non_stream(http):
     body = {"text": "In a hole in the ground", "sampling_params": {"max_new_tokens": 10, "temperature": 0,
                                                                     "ignore_eos": True}}
@@ -276,7 +159,7 @@ def test_generate_stream_is_cumulative_and_matches_non_stream(http):
     assert len(full["output_ids"]) == 10 and full["meta_info"]["finish_reason"]["type"] == "length"
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        events = _sse(r.iter_lines())
+        events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) > 1
@@ -345,7 +228,7 @@ def test_timeout_is_503(http):
                                                            "stream": True}) as r:
         if r.status_code == 503:  # timed out before its first token: a plain error
             return
-        events = _sse(r.iter_lines())
+        events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 503
 
 
@@ -373,7 +256,7 @@ def test_abort_request_ends_a_stream_with_abort(http):
     with http.stream("POST", "/generate", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            events += _sse([line])
+            events += sse_events([line])
             if len(events) == 2:
                 assert http.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
     assert events[-1] == "[DONE]"
@@ -445,7 +328,7 @@ def test_sigterm_stops_everything(server):
             with httpx.stream("POST", server.base + "/generate", timeout=30.0,
                               json={"text": "x", "stream": True,
                                     "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}) as r:
-                results["events"] = _sse(r.iter_lines())
+                results["events"] = sse_events(r.iter_lines())
         except httpx.HTTPError as e:
             results["error"] = e
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from test.integration.test_http_server import ServerProcess, assert_idle
+from test.support.server import ServerProcess, assert_idle
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}  # far longer than any test waits
 

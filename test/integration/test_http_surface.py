@@ -10,7 +10,7 @@ import shutil
 import httpx
 import pytest
 
-from test.integration.test_http_server import GREEDY, serving
+from test.support.server import GREEDY, serving
 
 
 @pytest.fixture(scope="module")

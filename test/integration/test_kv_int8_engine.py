@@ -15,7 +15,7 @@ import torch
 from radixlm import Engine
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
-from test.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, assert_kv_conserved,
+from test.support.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, assert_kv_conserved,
                                 random_prompt, run_multiturn)
 
 BACKENDS = ["torch_native", pytest.param("cpu", marks=pytest.mark.skipif(

@@ -1,5 +1,5 @@
 """Overlap's device-side futures on the real runner (tiny model), with the CUDA stream's
-asynchronous host copies simulated on the CPU (test/overlap_batches.DeferredCopyStream):
+asynchronous host copies simulated on the CPU (test/support/overlap_batches.DeferredCopyStream):
 
 - a decode batch whose inputs name the previous batch's rows is launched without the host
   reading that batch's tokens (its copy-done event is not waited), unless a row has
@@ -16,8 +16,8 @@ from radixlm.config import ServerArgs
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 from radixlm.srt.model_runner.launched import LaunchedBatch
-from test.engine_checks import random_prompt
-from test.overlap_batches import DeferredCopyStream, decode_batch, free_reqs, make_req, prefill_batch
+from test.support.engine_checks import random_prompt
+from test.support.overlap_batches import DeferredCopyStream, decode_batch, free_reqs, make_req, prefill_batch
 
 
 @pytest.fixture(scope="module")

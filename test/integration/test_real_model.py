@@ -69,7 +69,7 @@ def test_last_position_logits_match_hf(real_engine, hf_real, default_model_path)
     from radixlm.config import ServerArgs
     from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
     from radixlm.srt.model_runner.runner import ModelRunner
-    from test.overlap_batches import pools
+    from test.support.overlap_batches import pools
 
     runner = ModelRunner(ServerArgs(model_path=default_model_path, dtype="float32", max_total_tokens=1024).runner_config())
     ids = _chat_ids(real_engine.tokenizer, QUESTIONS[0])

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from radixlm import Engine
-from test.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, check_storm_outcomes,
+from test.support.engine_checks import (abort_stream_after_three_chunks, assert_idle_and_empty, check_storm_outcomes,
                                 random_prompt, run_storm)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

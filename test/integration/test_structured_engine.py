@@ -9,17 +9,11 @@ import re
 import pytest
 
 from radixlm import Engine
-from test.engine_checks import assert_kv_conserved
+from test.support.engine_checks import assert_kv_conserved
+from test.support.structured import REGEXES, SCHEMA
 
 pytest.importorskip("xgrammar")
 
-REGEXES = [r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)", r"\d{3}-\d{4}", r"(red|green|blue)( and (red|green|blue)){0,2}"]
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
-    "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    "pet": {"enum": ["cat", "dog"]},
-    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
-    "required": ["name", "age", "pet", "tags"], "additionalProperties": False}
 PROMPTS = [[1, 5, 9, 100, 2000, 31], list(range(300, 340)), [40000, 12, 13]]
 
 

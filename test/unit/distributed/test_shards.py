@@ -12,7 +12,7 @@ from radixlm.srt.distributed.weight_parts import assemble
 from radixlm.srt.model_runner.weight_updater import WeightUpdater
 from radixlm.srt.models.registry import build_model
 from radixlm.srt.weights.safetensors_loader import iter_safetensors_file, take_shards
-from test.unit.distributed.test_sharded_model import _config, _weights
+from test.support.sharded_model import random_weights, tiny_config
 
 
 def _rank_model(cfg, weights, tp_size, rank):
@@ -24,8 +24,8 @@ def _rank_model(cfg, weights, tp_size, rank):
 
 def test_safetensors_slices_equal_cut_tensors(tmp_path):
     from safetensors.torch import save_file
-    cfg = _config(9, 3, tied=False, bias=True)
-    weights = _weights(cfg, 1)
+    cfg = tiny_config(9, 3, tied=False, bias=True)
+    weights = random_weights(cfg, 1)
     path = str(tmp_path / "model.safetensors")
     save_file(weights, path)
     for rank in range(3):
@@ -39,8 +39,8 @@ def test_safetensors_slices_equal_cut_tensors(tmp_path):
 
 @pytest.mark.parametrize("heads,kv,tp", [(9, 3, 2), (9, 3, 4), (4, 1, 2)])
 def test_getter_parts_reassemble(heads, kv, tp):
-    cfg = _config(heads, kv, tied=False, bias=True)
-    weights = _weights(cfg, 2)
+    cfg = tiny_config(heads, kv, tied=False, bias=True)
+    weights = random_weights(cfg, 2)
     models = [_rank_model(cfg, weights, tp, r)[0] for r in range(tp)]
     for name, full in weights.items():
         for rows in (1, 5, 10**6):
@@ -49,8 +49,8 @@ def test_getter_parts_reassemble(heads, kv, tp):
 
 
 def test_updater_cuts_full_tensors_and_names_the_full_shape():
-    cfg = _config(9, 3)
-    weights = _weights(cfg, 3)
+    cfg = tiny_config(9, 3)
+    weights = random_weights(cfg, 3)
     model, layout = _rank_model(cfg, weights, 2, 1)
     name = "model.layers.1.self_attn.k_proj.weight"
     new = torch.randn(weights[name].shape)

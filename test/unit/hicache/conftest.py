@@ -1,7 +1,7 @@
 """Scheduler-level HiCache tests run with the overlap loop on and off (semantics §7)."""
 import pytest
 
-from . import harness
+from test.support import hicache_harness as harness
 
 
 @pytest.fixture(params=["overlap", "normal"])

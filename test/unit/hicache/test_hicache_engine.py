@@ -4,7 +4,7 @@ host tier on a multi-turn workload several times the device pool, with check_int
 every scheduler iteration (debug_check_integrity)."""
 from __future__ import annotations
 
-from test.engine_checks import run_multiturn
+from test.support.engine_checks import run_multiturn
 
 DEVICE_TOKENS = 192
 

@@ -11,8 +11,8 @@ import pytest
 
 from radixlm.messages import AbortReq
 
-from ..scheduler.fake_runner import reference_output
-from .harness import make_hi_harness, multiturn
+from test.support.fake_runner import reference_output
+from test.support.hicache_harness import make_hi_harness, multiturn
 
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 

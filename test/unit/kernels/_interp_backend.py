@@ -22,8 +22,8 @@ from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode  # 
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool  # noqa: E402
 from radixlm.srt.models.registry import load_model  # noqa: E402
 from radixlm.srt.weights.loader import load_model_config  # noqa: E402
-from test.unit.kernels.batches import place_tokens, random_qkv  # noqa: E402
-from test.unit.srt.conftest import ModelHarness  # noqa: E402
+from test.support.kernel_batches import place_tokens, random_qkv  # noqa: E402
+from test.support.model_harness import ModelHarness  # noqa: E402
 
 
 def test_registered_and_created_by_name():

@@ -19,7 +19,7 @@ from radixlm.kernels.reference import (decode_attention_ref, extend_attention_re
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
-from test.unit.kernels.batches import place_tokens, random_qkv
+from test.support.kernel_batches import place_tokens, random_qkv
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
 
 

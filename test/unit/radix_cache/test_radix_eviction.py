@@ -7,7 +7,7 @@ from radixlm.radix_cache.eviction import EVICTION_POLICIES, EvictionPolicy
 from radixlm.radix_cache.prefix_cache import RadixKey
 from radixlm.radix_cache.radix_cache import RadixCache
 from radixlm.scheduler.cache_manager import CacheManager
-from test.unit.radix_cache.radix_cache_helpers import build_cache
+from test.support.radix_helpers import build_cache
 
 SEQS = {"A": [1, 1], "B": [2, 2], "C": [3, 3]}
 

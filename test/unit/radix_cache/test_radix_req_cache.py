@@ -11,7 +11,7 @@ from radixlm.radix_cache.no_cache import NoPrefixCache
 from radixlm.radix_cache.prefix_cache import PrefixCacheConfig, RadixKey
 from radixlm.radix_cache.radix_cache import RadixCache
 from radixlm.scheduler.cache_manager import CacheManager, build_prefix_cache
-from test.unit.radix_cache.radix_cache_helpers import admit, build_cache, extend, make_req
+from test.support.radix_helpers import admit, build_cache, extend, make_req
 
 
 def row(c: CacheManager, req: Req) -> list[int]:

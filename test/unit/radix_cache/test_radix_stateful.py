@@ -16,7 +16,7 @@ from radixlm.core import Req
 from radixlm.radix_cache.eviction import EVICTION_POLICIES
 from radixlm.radix_cache.prefix_cache import RadixKey
 from radixlm.scheduler.cache_manager import PrefixMatch
-from test.unit.radix_cache.radix_cache_helpers import build_cache, make_req
+from test.support.radix_helpers import build_cache, make_req
 
 BASES = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1], [2, 2, 2, 2, 2, 2, 2, 2]]
 EXTRA_KEYS = st.sampled_from([None, None, None, "a"])  # mostly one namespace: more sharing

@@ -8,7 +8,7 @@ import torch
 
 from radixlm.radix_cache.prefix_cache import RadixKey
 from radixlm.scheduler.cache_manager import CacheManager
-from test.unit.radix_cache.radix_cache_helpers import build_cache
+from test.support.radix_helpers import build_cache
 
 
 def K(*toks: int, ek: str | None = None) -> RadixKey:

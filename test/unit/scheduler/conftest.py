@@ -1,7 +1,7 @@
 """Every scheduler test runs with the overlap loop on and off (semantics §7: same outputs)."""
 import pytest
 
-from . import harness
+from test.support import scheduler_harness as harness
 
 
 @pytest.fixture(autouse=True, params=["overlap", "normal"])

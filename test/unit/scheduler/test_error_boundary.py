@@ -12,8 +12,8 @@ import pytest
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 
-from .fake_runner import reference_output
-from .harness import make_harness
+from test.support.fake_runner import reference_output
+from test.support.scheduler_harness import make_harness
 
 POISON = "poison"
 
@@ -136,7 +136,7 @@ def test_a_message_the_scheduler_cannot_take_is_answered():
 
 
 def test_grammar_rows_replay_when_the_failure_came_before_their_matchers_moved():
-    from .fake_grammar import FakeGrammarBackend, constrained_reference
+    from test.support.fake_grammar import FakeGrammarBackend, constrained_reference
     h = make_harness(grammar_backend=FakeGrammarBackend())
     h.runner.fail_forward = _raise_for_poison(2)  # raises before any matcher of the batch advances
     spec = "mod=3,len=6"
@@ -155,7 +155,7 @@ def test_grammar_rows_replay_when_the_failure_came_before_their_matchers_moved()
 def test_grammar_rows_whose_matcher_moved_are_ended_not_replayed():
     """A batch failing after its matchers took their tokens (here: reading its result) cannot
     run its grammar rows again; they end with a 500 too (documented limitation)."""
-    from .fake_grammar import FakeGrammarBackend
+    from test.support.fake_grammar import FakeGrammarBackend
     h = make_harness(grammar_backend=FakeGrammarBackend())
     h.runner.fail_result = _raise_for_poison(2)
     g = h.submit(_prompt(9, 5), rid="g", max_new_tokens=10, regex="mod=3,len=8")

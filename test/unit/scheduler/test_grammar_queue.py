@@ -12,9 +12,9 @@ from radixlm.sampling_params import SamplingParams
 from radixlm.core import Req
 from radixlm.scheduler.grammar_queue import GrammarQueue
 
-from .fake_grammar import FakeGrammarBackend, constrained_reference
-from .fake_runner import reference_output
-from .harness import make_harness
+from test.support.fake_grammar import FakeGrammarBackend, constrained_reference
+from test.support.fake_runner import reference_output
+from test.support.scheduler_harness import make_harness
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 
-from .harness import make_harness
+from test.support.scheduler_harness import make_harness
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 

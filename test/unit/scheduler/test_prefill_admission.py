@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from .fake_runner import reference_output
-from .harness import make_harness
+from test.support.fake_runner import reference_output
+from test.support.scheduler_harness import make_harness
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -7,8 +7,8 @@ import pytest
 
 from radixlm.messages import AbortReq
 
-from .fake_runner import reference_output
-from .harness import make_harness
+from test.support.fake_runner import reference_output
+from test.support.scheduler_harness import make_harness
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -10,8 +10,8 @@ import pytest
 from radixlm.messages import AbortReq
 from radixlm.scheduler.requests import Place
 
-from .fake_runner import reference_output
-from .harness import make_harness
+from test.support.fake_runner import reference_output
+from test.support.scheduler_harness import make_harness
 
 
 def _prompt(n: int, seed: int) -> list[int]:

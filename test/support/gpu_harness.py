@@ -3,7 +3,7 @@
 `KVWorld` plays the scheduler's part for one attention layer: it owns a KV pool, a
 request-to-token table and a free list, and builds ForwardBatch objects for
 extend/decode steps, so backends can be driven directly with random q/k/v.
-`CudaModelHarness` does the same for a whole model (like test/unit/srt's ModelHarness,
+`CudaModelHarness` does the same for a whole model (like model_harness.ModelHarness,
 which is CPU-only).
 """
 from __future__ import annotations

@@ -24,8 +24,8 @@ from radixlm.radix_cache.radix_cache import RadixCache
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.scheduler import Scheduler
 
-from ..scheduler.fake_runner import FakeRunner
-from ..scheduler.harness import Harness
+from test.support.fake_runner import FakeRunner
+from test.support.scheduler_harness import Harness
 
 DEFAULT_OVERLAP = True
 POISON = -7

@@ -1,4 +1,4 @@
-"""A trainer process for the weight-sync tests: `python -m test.integration.tp_trainer INIT_METHOD
+"""A trainer process for the weight-sync tests: `python -m test.support.tp_trainer INIT_METHOD
 WORLD_SIZE GROUP_NAME ROUNDS_FILE [BACKEND DEVICE]`. It joins the weight update group as rank 0
 (gloo on the CPU by default; nccl with a cuda:N device) and, for each round in ROUNDS_FILE
 (torch.save of a list of [(name, tensor), ...]), broadcasts the round's tensors in order,

@@ -13,10 +13,10 @@ from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.scheduler import Scheduler
 
-from .fake_runner import FakeRunner
+from test.support.fake_runner import FakeRunner
 
 _ids = itertools.count()
-# Set per test by conftest.py: run the overlap loop or the normal one.
+# Set per test by test/unit/scheduler/conftest.py: run the overlap loop or the normal one.
 DEFAULT_OVERLAP = True
 
 

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 
-from .fake_runner import FakeRunner
+from test.support.fake_runner import FakeRunner
 
 
 @dataclass(frozen=True)
