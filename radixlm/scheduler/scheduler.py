@@ -578,6 +578,8 @@ class Scheduler:
         self.cache.release(req, insert=True)
         req.reset_for_retract()
         self.waiting.append(req)
+        # The front end learns of it now (num_retractions): it answers an abort by itself.
+        self._pending_out.append(make_output(req, include_input_logprobs=False))
 
     # ================================================================ results
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:
@@ -686,7 +688,9 @@ class Scheduler:
                 h["counts"][i] += 1
 
     def _maybe_stream(self, req: Req) -> None:
-        if req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
+        # Non-streamed requests too: the front end holds every token delivered, so it can
+        # answer an abort at once with the output so far (it returns only the final result).
+        if len(req.output_ids) - req.sent_len >= self.args.stream_interval:
             self._emit(req)
 
     def _emit(self, req: Req) -> None:
