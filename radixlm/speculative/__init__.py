@@ -1,0 +1,15 @@
+"""Speculative decoding with n-gram drafts (issue 20): drafting and acceptance.
+
+The scheduler/cache-manager integration is not built yet; README.md says how it plugs in.
+"""
+from radixlm.speculative.acceptance import (
+           RowSampler,
+           Verified,
+           verification_rows,
+           verify_drafts,
+)
+from radixlm.speculative.drafter import Draft, DrafterStats, NgramConfig, NgramDrafter
+from radixlm.speculative.ngram_index import NgramIndex
+
+__all__ = ["Draft", "DrafterStats", "NgramConfig", "NgramDrafter", "NgramIndex", "RowSampler", "Verified",
+           "verification_rows", "verify_drafts"]
