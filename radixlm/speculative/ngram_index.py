@@ -92,8 +92,12 @@ class NgramIndex:
         self.stats.lookups += 1
         n = len(context)
         m = self._map
-        for w in range(min(self.max_window, n), self.min_window - 1, -1):
-            key = tuple(int(t) for t in context[n - w:])
+        wmax = min(self.max_window, n)
+        tail = context[n - wmax:]
+        # One conversion of the tail (a numpy view or a list) to Python ints for every key.
+        tail = tail.tolist() if hasattr(tail, "tolist") else [int(t) for t in tail]
+        for w in range(wmax, self.min_window - 1, -1):
+            key = tuple(tail[wmax - w:])
             cont = m.get(key)
             if cont is not None:
                 # A hit is a use: move it to the tail so it outlives entries nobody asks for.
