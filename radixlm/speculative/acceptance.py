@@ -108,7 +108,7 @@ def verify_drafts(sampler: RowSampler, logits: torch.Tensor, rows: Sequence[Any]
     if len(rows) != len(drafts):
         raise ValueError(f"{len(rows)} rows but {len(drafts)} drafts")
     flat: list[Any] = []
-    for row, draft in zip(rows, drafts):
+    for row, draft in zip(rows, drafts, strict=True):
         flat.extend(verification_rows(row, draft))
     if logits.shape[0] != len(flat):
         raise ValueError(f"logits have {logits.shape[0]} rows, the drafts need {len(flat)}")
