@@ -15,12 +15,15 @@ nothing to do with the prompt: the floor), resample (each novel request asked tw
 samples of an RL rollout with a near-deterministic policy; only the second is measured: it can
 find the first in the index).
 
-Printed per workload and mode ("context": own context only; "context+index"): mean accepted
-length per step (tokens emitted per verify step, the bonus included: SGLang's
-spec_accept_length), acceptance rate (accepted / drafted tokens, also split by the length of
-the n-gram match the draft came from: what an adaptive policy would cut on), the share of steps
-with a draft, and the drafter's mean time per proposal; plus the index's measured bytes per
-entry (tracemalloc).
+Printed per workload and mode ("context": own context only; "context+index"; and
+"context+index+adaptive": each request verifies the draft length that
+radixlm/speculative/adaptive.py picks for --extra-token-cost): mean accepted length per step
+(tokens emitted per verify step, the bonus included: SGLang's spec_accept_length), acceptance
+rate (accepted / drafted tokens, also split by the length of the n-gram match the draft came
+from: what an adaptive policy would cut on), the share of steps with a draft, the drafter's mean
+time per proposal, and est_speedup: tokens per unit of step cost when a step verifying k drafts
+costs 1 + extra_token_cost * k decode steps (an estimate under that cost model, not a
+measurement); plus the index's measured bytes per entry (tracemalloc).
 """
 from __future__ import annotations
 
@@ -28,17 +31,16 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 import tracemalloc
 from collections import Counter
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
+from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CODE_FILES = ["radixlm/scheduler/policy.py", "radixlm/scheduler/retract.py", "radixlm/radix_cache/eviction.py",
               "radixlm/speculative/ngram_index.py", "radixlm/scheduler/batch.py", "radixlm/hicache/host_pool.py"]
@@ -56,7 +58,8 @@ def code_edit(paths: list[str]) -> list[tuple[str, str]]:
     out = []
     for p in paths:
         src = read(p)
-        words = Counter(w for w in re.findall(r"\b[a-z_][a-z0-9_]{4,}\b", src) if w not in ("return", "import", "class"))
+        idents = re.findall(r"\b[a-z_][a-z0-9_]{4,}\b", src)
+        words = Counter(w for w in idents if w not in ("return", "import", "class"))
         name = words.most_common(1)[0][0]
         edited = re.sub(rf"\b{name}\b", name + "_v2", src)
         out.append((f"Rename `{name}` to `{name}_v2` in this file and print the whole file.\n```python\n{src}```\n",
@@ -84,11 +87,14 @@ def novel(paths: list[str]) -> list[tuple[str, str]]:
     return [(f"Write something new.\n\n{docs[i]}\n", docs[(i + 1) % len(docs)][:2000]) for i in range(len(docs))]
 
 
-def simulate(reqs: list[tuple[list[int], list[int], bool]], cfg: NgramConfig) -> dict:
+def simulate(reqs: list[tuple[list[int], list[int], bool]], cfg: NgramConfig, cost: float,
+             adaptive: AdaptiveConfig | None = None) -> dict:
     """Run every request through the drafter in order; count only the ones marked measured
-    (the unmeasured ones are the first samples of `resample`: they only fill the index)."""
+    (the unmeasured ones are the first samples of `resample`: they only fill the index).
+    With `adaptive`, each request verifies only the draft length its AcceptanceTracker picks."""
     d = NgramDrafter(cfg)
     steps = drafted = accepted = drafted_steps = tokens = measured = 0
+    step_cost = 0.0
     t_propose = 0.0
     by_len: dict[str, list[int]] = {}  # match length bucket -> [drafted, accepted]
     for prompt, target, measure in reqs:
@@ -97,17 +103,24 @@ def simulate(reqs: list[tuple[list[int], list[int], bool]], cfg: NgramConfig) ->
         buf = np.array(prompt + target, dtype=np.int64)
         pos = 0
         r_steps = r_drafted = r_accepted = r_drafted_steps = 0
+        r_cost = 0.0
+        tracker = AcceptanceTracker()
         while pos < len(target):
             left = len(target) - pos
             ctx = buf[:len(prompt) + pos]
             t0 = time.perf_counter()
             proposal = d.propose(ctx, max_tokens=left - 1)
             draft = proposal.tokens
+            if adaptive is not None:
+                draft = draft[:tracker.draft_length(proposal.match_length, len(draft), cost, adaptive)]
             t_propose += time.perf_counter() - t0 if measure else 0.0
             n = 0
             while n < len(draft) and draft[n] == target[pos + n]:
                 n += 1
+            if adaptive is not None:
+                tracker.observe(len(draft), n, adaptive)
             r_steps += 1
+            r_cost += 1.0 + cost * len(draft)
             r_drafted += len(draft)
             r_drafted_steps += bool(draft)
             r_accepted += n
@@ -121,11 +134,14 @@ def simulate(reqs: list[tuple[list[int], list[int], bool]], cfg: NgramConfig) ->
             measured += 1
             tokens += len(target)
             steps += r_steps
+            step_cost += r_cost
             drafted += r_drafted
             drafted_steps += r_drafted_steps
             accepted += r_accepted
     return {"requests": measured, "tokens": tokens, "steps": steps,
             "mean_accept_length": round(tokens / steps, 3),
+            # Plain decoding costs one step per token; a step verifying k drafts 1 + cost * k.
+            "est_speedup": round(tokens / step_cost, 3),
             "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
             "draft_step_share": round(drafted_steps / steps, 3),
             "drafted_tokens": drafted, "accepted_tokens": accepted,
@@ -156,6 +172,9 @@ def main() -> None:
     ap.add_argument("--min-window", type=int, default=1)
     ap.add_argument("--max-window", type=int, default=12)
     ap.add_argument("--max-files", type=int, default=6)
+    ap.add_argument("--extra-token-cost", type=float, default=0.2,
+                    help="cost of one more verified token relative to a decode step (for est_speedup and "
+                         "the adaptive mode; measure it with the model: about 0.2 for one stream on CPU)")
     args = ap.parse_args()
     from radixlm.srt.weights.loader import default_model_path
     from radixlm.srt.weights.tokenizer import load_tokenizer
@@ -172,15 +191,17 @@ def main() -> None:
                  "resample": [(p, t, second) for p, t, _ in novel_reqs for second in (False, True)]}
     result: dict = {"benchmark": "ngram_acceptance", "tokenizer": "SmolLM2-135M-Instruct",
                     "target": "the real continuation (greedy target stand-in)",
-                    "windows": [args.min_window, args.max_window], "workloads": {}}
+                    "windows": [args.min_window, args.max_window], "extra_token_cost": args.extra_token_cost,
+                    "workloads": {}}
     for name, reqs in workloads.items():
         per_k = {}
         for k in args.num_draft_tokens:
             modes = {}
-            for mode, cap in (("context", 0), ("context+index", 1 << 18)):
+            for mode, cap, adaptive in (("context", 0, None), ("context+index", 1 << 18, None),
+                                        ("context+index+adaptive", 1 << 18, AdaptiveConfig())):
                 cfg = NgramConfig(num_draft_tokens=k, min_match_window=args.min_window,
                                   max_match_window=args.max_window, capacity=cap)
-                modes[mode] = simulate(reqs, cfg)
+                modes[mode] = simulate(reqs, cfg, args.extra_token_cost, adaptive)
             per_k[f"k={k}"] = modes
         result["workloads"][name] = per_k
     all_seqs = [t for reqs in workloads.values() for _, t, _ in reqs]
