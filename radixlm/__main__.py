@@ -33,10 +33,27 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    if ns.dp_size > 1:
+        from radixlm.srt.fleet.launch import FleetOptions, launch_dp
+
+        options = FleetOptions(ns.dp_size, ns.dp_router, ns.dp_policy)
+        return launch_dp(ServerArgs.from_cli_args(ns), options, served_model_name=ns.served_model_name)
     from radixlm.srt.http_server import launch_server
 
     launch_server(ServerArgs.from_cli_args(ns), served_model_name=ns.served_model_name)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End a server process whose children are stopped and files removed, without the
+    interpreter's finalization (seconds of garbage collection over torch's module state)."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,12 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients use (default: the model path's basename)")
+    srv.add_argument("--dp-size", type=int, default=1,
+                     help="engine replicas on this machine (one process each, the CPU cores split between "
+                          "them) behind a router on --host/--port")
+    srv.add_argument("--dp-router", choices=("auto", "smg", "builtin"), default="auto",
+                     help="the router in front of the replicas: the SGLang Model Gateway (smg) when it is "
+                          "installed (auto), or radixlm's built-in dispatcher")
+    srv.add_argument("--dp-policy", default="cache_aware",
+                     help="routing policy (smg's --policy; the built-in dispatcher takes cache_aware = "
+                          "prefix_hash, or round_robin)")
     ServerArgs.add_cli_args(srv)
     ns = parser.parse_args(argv)
     if ns.command == "generate":
         return _generate(ns)
     if ns.command == "serve":
-        return _serve(ns)
+        code = _serve(ns)
+        if argv is None:  # the command line, not a caller in this interpreter
+            _exit_now(code)
+        return code
     return 2
 
 

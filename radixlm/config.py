@@ -105,6 +105,10 @@ class ServerArgs:
     enable_overlap_schedule: bool = _opt("overlap scheduling on a CPU too (default: on with CUDA only; on a "
                                          "small CPU the scheduler thread competes with the model's threads)",
                                          default=False)
+    tp_size: int = _opt("tensor-parallel ranks: one process per rank over torch.distributed (gloo on CPU, "
+                        "NCCL on CUDA, one GPU each); attention is split by KV-head groups", default=1)
+    dist_timeout: float = _opt("seconds a collective between ranks (or with a trainer's weight update group) "
+                               "may wait before failing", default=300.0)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -112,6 +116,28 @@ class ServerArgs:
     log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
     host: str = _opt("HTTP host", default="127.0.0.1")
     port: int = _opt("HTTP port", default=30000)
+    # ---- security and limits (README "Security and limits"; radixlm/validation.py) ----
+    api_key: str | None = _opt("require `Authorization: Bearer <key>` (or x-api-key) on every route but "
+                               "/health* and /metrics", default=None)
+    admin_api_key: str | None = _opt("key for the control routes (pause, weights, memory, flush, abort); "
+                                     "without it they take --api-key", default=None)
+    allowed_hosts: str | None = _opt("more Host names (comma-separated) a browser may use to reach a server "
+                                     "bound to a loopback address, e.g. behind a reverse proxy", default=None)
+    max_payload_size: int = _opt("largest HTTP request body in bytes (413 beyond)", default=16 * 1024 * 1024)
+    max_n: int = _opt("largest n (choices per prompt) a request may ask for", default=128)
+    max_sequences_per_request: int = _opt("largest prompts x n of one call", default=8192)
+    max_top_logprobs_num: int = _opt("largest top_logprobs_num / top_logprobs / logprobs", default=20)
+    max_grammar_chars: int = _opt("largest json_schema / regex / ebnf, in characters", default=65536)
+    max_json_nesting: int = _opt("deepest nesting of lists and objects in a request body or JSON schema",
+                                 default=64)
+    max_weights_response_elements: int = _opt("most tensor elements /get_weights_by_name returns",
+                                              default=1 << 20)
+    allow_client_chat_template: bool = _opt("let chat requests replace the chat template "
+                                            "(chat_template_kwargs.chat_template); rendered in a worker "
+                                            "process with a time limit", default=False)
+    chat_template_timeout: float = _opt("time limit (s) of rendering a client's chat template", default=5.0)
+    http_header_timeout: float = _opt("seconds a client may take to send a request's headers", default=30.0)
+    http_body_timeout: float = _opt("seconds a client may take to send a request's body", default=120.0)
 
     def overlap_schedule(self, device: str) -> bool:
         if self.disable_overlap_schedule:
@@ -145,6 +171,20 @@ class ServerArgs:
             raise ValueError("hicache_ratio must be > 0 and hicache_size (GB) >= 0")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache (drop disable_radix_cache)")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+        if self.dist_timeout <= 0:
+            raise ValueError("dist_timeout must be > 0 seconds")
+        for name in ("max_payload_size", "max_n", "max_sequences_per_request", "max_grammar_chars",
+                     "max_json_nesting", "max_weights_response_elements"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_json_nesting > 256:  # validation.MAX_NESTING_CEILING
+            raise ValueError("max_json_nesting must be <= 256")
+        if self.max_top_logprobs_num < 0:
+            raise ValueError("max_top_logprobs_num must be >= 0")
+        if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
+            raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):

@@ -91,6 +91,9 @@ class Req:
     # Structured output: the grammar matcher (opaque here; only the forward side advances it).
     # Kept across retraction, since output_ids are; dropped when the request finishes.
     grammar: Any = None
+    # Set when a forward or the processing of this request failed: its KV may be half
+    # written, so its release frees the slots instead of publishing them in the tree.
+    kv_poisoned: bool = False
 
     # ---- reporting ----
     cached_tokens: int = 0

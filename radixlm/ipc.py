@@ -24,12 +24,14 @@ class PortArgs:
     detokenizer_input: str
     tokenizer_input: str
     ready: str
+    # torch.distributed rendezvous of the tensor-parallel ranks: a file store in the same dir
+    tp_init_method: str = ""
 
     @staticmethod
     def new() -> "PortArgs":
         d = tempfile.mkdtemp(prefix="radixlm-ipc-")
         return PortArgs(d, f"ipc://{d}/scheduler", f"ipc://{d}/detokenizer", f"ipc://{d}/tokenizer",
-                        f"ipc://{d}/ready")
+                        f"ipc://{d}/ready", f"file://{d}/tp_store")
 
     def cleanup(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -67,18 +67,48 @@ class CheckIntegrityReq(RpcReq):
 class UpdateWeightsFromTensorReq(RpcReq):
     named_tensors: list = field(default_factory=list)  # [(hf_name, tensor)]
     flush_cache: bool = True
+    # extra_key of requests computed from now on: requests with no KV yet move to it
+    cache_namespace: str | None = None
 
 
 @dataclass
 class UpdateWeightsFromDiskReq(RpcReq):
     model_path: str = ""
     flush_cache: bool = True
+    cache_namespace: str | None = None  # as in UpdateWeightsFromTensorReq
+
+
+@dataclass
+class InitWeightsUpdateGroupReq(RpcReq):
+    """Join a trainer's torch.distributed group: this rank is rank_offset + its TP rank."""
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 1
+    world_size: int = 2
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass
+class UpdateWeightsFromDistributedReq(RpcReq):
+    """Receive each named tensor from the group's rank 0 (the trainer) by broadcast."""
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    cache_namespace: str | None = None  # as in UpdateWeightsFromTensorReq
+
+@dataclass
+class DestroyWeightsUpdateGroupReq(RpcReq):
+    group_name: str = "weight_update_group"
 
 
 @dataclass
 class GetWeightsByNameReq(RpcReq):
     name: str = ""
     truncate_size: int = 100
+    max_elements: int | None = None  # refuse a larger answer (HTTP: --max-weights-response-elements)
 
 
 @dataclass
@@ -140,6 +170,9 @@ class ReqTextOutput:
     """ReqOutput after detokenization: `new_text` is the newly released text."""
     out: ReqOutput
     new_text: str
+    # The detokenizer could not handle this request and ended it (out.finish_reason is its
+    # 500 abort); the scheduler still runs it until the tokenizer manager's abort arrives.
+    failed: bool = False
 
 
 @dataclass

@@ -70,3 +70,19 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) 
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
     return _save_tiny(model, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+# The default model's attention shape (9 query heads over 3 KV heads, tied embeddings) at a
+# tiny size: at tp_size 2 its groups split unevenly (2 + 1 KV heads, 6 + 3 query heads).
+TINY_TP_SHAPE = dict(TINY_SHAPE, hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+                     intermediate_size=256, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tp_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> str:
+    """A random 2-layer LlamaForCausalLM shaped like SmolLM2's attention (9/3 heads, tied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_TP_SHAPE, rope_theta=10000.0)).to(torch.float32)
+    return _save_tiny(model, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama_tp"))

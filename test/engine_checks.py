@@ -3,6 +3,7 @@ KV conservation after a scenario, random prompts, and the multi-turn workload th
 tests run with and without the host tier."""
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -51,6 +52,40 @@ def abort_stream_after_three_chunks(engine: Engine, prompt: list[int], rid: str)
     redo = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": final["completion_tokens"],
                                                               **greedy})
     assert [t for c in chunks for t in c["output_ids"]] == redo["output_ids"]
+
+
+def run_storm(one, specs: list[tuple], chaos, late: list | None = None) -> list:
+    """Every spec through the coroutine `one(*spec)` (which returns a list of results) while
+    the coroutine `chaos()` runs; all the results, flattened. `late`: futures that `chaos`
+    starts as it goes, gathered with the others."""
+    late = [] if late is None else late
+
+    async def go() -> list:
+        tasks = [asyncio.ensure_future(one(*s)) for s in specs]
+        await chaos()
+        return [x for r in await asyncio.gather(*tasks, *late) for x in r]
+    return asyncio.run(go())
+
+
+def check_storm_outcomes(results: list[tuple[str, list[int], dict]], reference: dict[str, list[int]],
+                         expected: int, untouched: set[str] = frozenset()) -> int:
+    """A storm's (rid, output ids, meta_info) per request against the undisturbed outputs by rid
+    (n > 1 children `rid_i` share their parent's): every request answered once, with as many
+    ids as it reports; survivors exactly the reference, aborted ones a prefix of it; the rids in
+    `untouched` (no abort named them) finish by length. Returns how many were aborted."""
+    assert len(results) == expected
+    aborted = 0
+    for rid, ids, meta in results:
+        ref = reference[rid if rid in reference else rid.rsplit("_", 1)[0]]
+        assert meta["completion_tokens"] == len(ids)
+        if rid in untouched:
+            assert meta["finish_reason"]["type"] == "length" and ids == ref, rid
+        if meta["finish_reason"]["type"] == "abort":
+            aborted += 1
+            assert ids == ref[:len(ids)], rid  # a prefix of the undisturbed output
+        else:
+            assert ids == ref, rid  # survivors: exactly the undisturbed output
+    return aborted
 
 
 def multiturn(engine: Engine, convs: int, turns: int, user_len: int = 40, max_new: int = 6) -> list[list[int]]:

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from radixlm.hicache.host_pool import HostKVPool
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 
 __all__ = ["CacheController", "CopyBatch", "LoadFencedRunner"]
 
@@ -84,6 +85,8 @@ class CacheController:
         self.cuda = self.device.type == "cuda"
         # Tests use the hook to slow a copy down or hold it (called on the worker thread).
         self.copy_hook = copy_hook
+        # Tensor-parallel ranks ack a copy only once it is done on every rank (rank_sync.py).
+        self.ranks: RankSync = LOCAL_RANK
         self._streams = {k: torch.cuda.Stream(self.device) for k in ("write", "load")} if self.cuda else {}
         self._workers = {k: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"radixlm-hicache-{k}")
                          for k in ("write", "load")}
@@ -122,14 +125,14 @@ class CacheController:
         batch.wait()
 
     def poll_writes(self) -> list[int]:
-        return self._poll(self._write_acks)
+        return self._poll(self._write_acks, self.ranks)
 
     def wait_writes(self) -> list[int]:
         """Start and finish every write; returns all their op ids (in order)."""
         self.start_writing()
         for a in self._write_acks:
             a.batch.wait()  # type: ignore[union-attr]
-        return self._poll(self._write_acks)
+        return self._poll(self._write_acks, self.ranks)
 
     # ------------------------------------------------------------------ loads (host -> device)
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> int:
@@ -155,12 +158,12 @@ class CacheController:
         self.stats["fence_wait_seconds"] += time.perf_counter() - t0
 
     def poll_loads(self) -> list[int]:
-        return self._poll(self._load_acks)
+        return self._poll(self._load_acks, self.ranks)
 
     def wait_loads(self) -> list[int]:
         for a in self._load_acks:
             a.batch.wait()  # type: ignore[union-attr]
-        return self._poll(self._load_acks)
+        return self._poll(self._load_acks, self.ranks)
 
     # ------------------------------------------------------------------ common
     def num_pending(self) -> tuple[int, int]:
@@ -168,9 +171,15 @@ class CacheController:
         return len(self._write_acks), len(self._load_acks)
 
     @staticmethod
-    def _poll(acks: deque[_Ack]) -> list[int]:
+    def _poll(acks: deque[_Ack], ranks: RankSync) -> list[int]:
+        if not acks:  # the same on every rank: the ops are issued by the same decisions
+            return []
+        n = 0
+        while n < len(acks) and acks[n].batch is not None and acks[n].batch.done():  # type: ignore[union-attr]
+            n += 1
+        n = ranks.agree_done([n])[0]
         done = []
-        while acks and acks[0].batch is not None and acks[0].batch.done():
+        for _ in range(n):
             a = acks.popleft()
             a.batch.wait()  # type: ignore[union-attr]  # surfaces a failed copy
             done.append(a.op_id)

@@ -1,24 +1,20 @@
-"""Which requests an AbortReq names (semantics §3)."""
-from __future__ import annotations
+"""Which requests an AbortReq names (semantics §3, §10).
 
-import re
+The scheduler knows requests by their unique submission rids (`rid#n`); the front end
+resolves families (n > 1 children, known by identity) to exact rids before it sends an abort,
+so nothing here guesses a family from the shape of a rid.
+"""
+from __future__ import annotations
 
 from radixlm.messages import AbortReq
 
-_CHILD = re.compile(r"_\d+$")
-
 
 def abort_matches(msg: AbortReq, rid: str) -> bool:
-    """A rid matches itself and its parallel-sampling children `rid_0 … rid_{n-1}`, never an
-    unrelated rid that merely starts with the same characters (unless prefix mode)."""
+    """Exact rids (`rids`), one rid exactly, every rid starting with `rid` (prefix=True), or all."""
     if msg.abort_all:
         return True
     if msg.rids:
         return rid in msg.rids
     if not msg.rid:
         return False
-    if rid == msg.rid:
-        return True
-    if msg.prefix:
-        return rid.startswith(msg.rid)
-    return rid.startswith(msg.rid) and _CHILD.fullmatch(rid[len(msg.rid):]) is not None
+    return rid.startswith(msg.rid) if msg.prefix else rid == msg.rid

@@ -37,6 +37,9 @@ class WorkerBatch:
     # the batch is built. The forward masks the logits with it and accepts the sampled token
     # right away, so the next launched batch always sees an up-to-date matcher.
     grammars: list[Any] | None = None
+    # Set by the runner once it has advanced the matchers by this batch's tokens: a batch that
+    # fails after that cannot simply be run again for its grammar rows (error_boundary.py).
+    grammars_advanced: bool = False
 
     @property
     def is_decode(self) -> bool:

@@ -166,7 +166,7 @@ class CacheManager:
         retract); insert=False frees them (errors)."""
         if req.req_pool_idx is None:
             return  # never admitted, or already released: nothing held
-        self.tree.cache_finished_req(req, insert=insert)
+        self.tree.cache_finished_req(req, insert=insert and not req.kv_poisoned)
 
     def flush(self) -> None:
         self.tree.reset()

@@ -22,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from radixlm.core import FinishReason, Req
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class GrammarQueue:
         self._cache_size = cache_size
         # keyed by id(req): insertion order is arrival order (fairness), removal is O(1)
         self._pending: dict[int, tuple[Req, tuple[str, str]]] = {}
+        # Tensor-parallel ranks admit a request only once its compile is done on every rank.
+        self.ranks: RankSync = LOCAL_RANK
         self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0, "grammar_compile_errors": 0,
                       "grammar_compiles_cancelled": 0}
 
@@ -119,9 +122,11 @@ class GrammarQueue:
         failed, each with the 400 abort to answer it with)."""
         ready: list[Req] = []
         failed: list[tuple[Req, FinishReason]] = []
-        for rid_key, (req, key) in list(self._pending.items()):
+        pending = list(self._pending.items())
+        done = self.ranks.agree_done([int(self._cache[key].done()) for _, (_, key) in pending]) if pending else []
+        for (rid_key, (req, key)), is_done in zip(pending, done):
             fut = self._cache[key]
-            if not fut.done():
+            if not is_done:
                 continue
             del self._pending[rid_key]
             error = fut.exception()
@@ -159,6 +164,8 @@ def grammar_finish(req: Req, status: str | None, token: int) -> None:
         return
     if status == "terminated":
         req.finish_reason = FinishReason("stop", matched=token)
+    elif status == "error":
+        req.finish_reason = FinishReason.abort("internal error: the grammar matcher failed", status_code=500)
     elif status == "rejected":
         # Cannot happen while the mask is applied; answer rather than emit invalid output.
         logger.error("%s: the grammar rejected sampled token %d", req.rid, token)

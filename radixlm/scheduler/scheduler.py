@@ -15,12 +15,15 @@ import torch
 
 from radixlm.config import ServerArgs
 from radixlm.core import FinishReason, Req, ReqStatus
-from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ResumeMemoryReq,
-                              TokenizedGenerateReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
+from radixlm.messages import (AbortReq, BatchTokenOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+                              FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              ReleaseMemoryReq, ReqOutput, ResumeMemoryReq, TokenizedGenerateReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
+from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.scheduler.abort import abort_matches
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.cache_manager import CacheManager
+from radixlm.scheduler.error_boundary import ErrorBoundary
 from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue, grammar_finish
 from radixlm.scheduler.output import StopStringChecker, append_token, make_output
 from radixlm.scheduler.overlap import ForwardTimer, ForwardWorker, InFlight, placeholder
@@ -49,6 +52,8 @@ class Scheduler:
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
         self.retraction_policy = args.retraction_policy
+        # The clock of timeouts and queue order; tensor-parallel ranks share rank 0's (rank_sync.py).
+        self.ranks: RankSync = LOCAL_RANK
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -69,14 +74,20 @@ class Scheduler:
                       "aborts_in_flight": 0, "aborts_grammar": 0, "num_timeouts": 0, "num_rejected": 0}
         # abort call -> KV returned, seconds (bounded window for percentiles)
         self.cancel_latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        # (rid, abort call, KV returned) wall times of the latest cancels (latency benchmarks)
+        self.recent_cancels: collections.deque[tuple[str, float, float]] = collections.deque(maxlen=256)
         # cumulative histogram of the same, for Prometheus
         self.cancel_hist = {"buckets": list(CANCEL_LATENCY_BUCKETS), "counts": [0] * len(CANCEL_LATENCY_BUCKETS),
                             "sum": 0.0, "count": 0}
+        self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
 
     # ================================================================ messages
     def handle(self, msg) -> object:
         if isinstance(msg, TokenizedGenerateReq):
-            return self.add_request(msg)
+            try:
+                return self.add_request(msg)
+            except Exception as e:  # noqa: BLE001 - answered, not dropped
+                return self.boundary.reject(msg, e)
         if isinstance(msg, AbortReq):
             return self.abort(msg)
         if isinstance(msg, FlushCacheReq):
@@ -92,13 +103,21 @@ class Scheduler:
             return self.resume()
         if isinstance(msg, UpdateWeightsFromTensorReq):
             return self._weights_op(lambda: self.runner.update_weights_from_tensor(msg.named_tensors),
-                                    msg.flush_cache)
+                                    msg.flush_cache, msg.cache_namespace)
         if isinstance(msg, UpdateWeightsFromDiskReq):
             return self._weights_op(lambda: self.runner.update_weights_from_disk(msg.model_path),
-                                    msg.flush_cache)
+                                    msg.flush_cache, msg.cache_namespace)
+        if isinstance(msg, UpdateWeightsFromDistributedReq):
+            return self._weights_op(lambda: self.runner.update_weights_from_distributed(
+                msg.names, msg.dtypes, msg.shapes, msg.group_name), msg.flush_cache, msg.cache_namespace)
+        if isinstance(msg, InitWeightsUpdateGroupReq):
+            return self.runner.init_weights_update_group(msg.master_address, msg.master_port, msg.rank_offset,
+                                                         msg.world_size, msg.group_name, msg.backend)
+        if isinstance(msg, DestroyWeightsUpdateGroupReq):
+            return self.runner.destroy_weights_update_group(msg.group_name)
         if isinstance(msg, GetWeightsByNameReq):
             self.sync()
-            return self.runner.get_weights_by_name(msg.name, msg.truncate_size)
+            return self.runner.get_weights_by_name(msg.name, msg.truncate_size, msg.max_elements)
         if isinstance(msg, ReleaseMemoryReq):
             return self._memory_op(release=True)
         if isinstance(msg, ResumeMemoryReq):
@@ -110,7 +129,7 @@ class Scheduler:
                   eos_token_ids=frozenset(getattr(self.runner, "eos_token_ids", ())),
                   return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
                   logprob_start_len=msg.logprob_start_len, extra_key=msg.extra_key,
-                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout)
+                  priority=msg.priority, stream=msg.stream, timeout=msg.timeout, created_time=self.ranks.now())
         error = self._validate(req)
         if error is not None:
             req.finish_reason = FinishReason.abort(error, status_code=400)
@@ -212,7 +231,7 @@ class Scheduler:
 
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
-        now = time.perf_counter()
+        now = self.ranks.now()
         wait_limit, run_limit = self.args.request_waiting_timeout, self.args.request_running_timeout
 
         def expired(req: Req, waiting: bool) -> str | None:
@@ -277,12 +296,27 @@ class Scheduler:
         self.paused = False
         return True
 
-    def _weights_op(self, op, flush: bool) -> dict:
+    def _weights_op(self, op, flush: bool, namespace: str | None = None) -> dict:
         """Weights change only between forwards: the launched batch resolves first. The
         cache is namespaced by weight version, so old KV is never served afterwards."""
         self.sync()
         n = op()
-        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False}
+        live = self._move_to_new_weights(namespace) if namespace is not None else {}
+        return {"num_tensors": n, "flushed": self.flush_cache() if flush else False, "live_output_lens": live}
+
+    def _move_to_new_weights(self, namespace: str) -> dict[str, int]:
+        """Requests are here during an update only if the engine is paused (the front end's
+        lock waits for all others). One with no KV of its own (waiting, retracted, grammar)
+        computes everything under the new weights, so it moves to the new cache namespace;
+        a chunked prefill is retracted first (its chunks are old-weights KV, and it has no
+        token yet); a running (in_place) request keeps its KV and continues on it. Returns
+        each live request's output length at the switch (meta_info["weight_versions"])."""
+        if self.chunked_req is not None:
+            self._retract(self.chunked_req)
+            self.chunked_req = None
+        for req in self.waiting + self.grammar_queue.reqs:
+            req.extra_key = namespace
+        return {r.rid: len(r.output_ids) for r in self.running + self.waiting + self.grammar_queue.reqs}
 
     def _memory_op(self, release: bool) -> bool:
         self.sync()
@@ -328,13 +362,13 @@ class Scheduler:
         if batch is None:
             return self._idle()
         self._mark_launched(batch)
-        self._process(batch, self.timer.run(self.runner, batch))
+        self._process(batch, self.boundary.run(batch))
         self._end_step()
         return True
 
     def _step_overlap(self) -> bool:
         """Launch batch N+1, then process batch N while N+1 computes."""
-        if self.in_flight is not None and not self.in_flight.batch.is_decode:
+        if self.in_flight is not None and (not self.in_flight.batch.is_decode or self.boundary.must_sync):
             self.sync()  # a prefill's requests join decode only once its result is known
         batch = None if self.paused else self.get_next_batch()
         prev, self.in_flight = self.in_flight, None
@@ -342,7 +376,7 @@ class Scheduler:
             self._mark_launched(batch)
             self.in_flight = self.worker.submit(batch)
         if prev is not None:
-            self._process(prev.batch, prev.result())
+            self._process(prev.batch, self.boundary.resolve(prev))
         if batch is None and prev is None:
             return self._idle()
         self._end_step()
@@ -373,7 +407,7 @@ class Scheduler:
         nothing in flight)."""
         if self.in_flight is not None:
             prev, self.in_flight = self.in_flight, None
-            self._process(prev.batch, prev.result())
+            self._process(prev.batch, self.boundary.resolve(prev))
             self._flush_outputs()
 
     def _end_step(self) -> None:
@@ -400,6 +434,7 @@ class Scheduler:
         for req in batch.reqs:
             if req.inflight == 0 and self.pending_release.pop(id(req), None) is not None:
                 self.cache.release(req, insert=True)
+                self._on_released(req)
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -427,7 +462,7 @@ class Scheduler:
             status = adder.add_chunked_req(self.chunked_req)
         if status is AddStatus.CONTINUE:
             for req in self.policy.order(self.waiting):
-                status, _ = adder.add_one_req(req)
+                status = self.boundary.admit(adder, req)
                 if status is not AddStatus.CONTINUE or adder.plan.new_chunked_req is not None:
                     break
         plan = adder.plan
@@ -437,7 +472,7 @@ class Scheduler:
             self.chunked_req = None  # back in process_prefill_result if a chunk remains
         admitted = {id(r) for r in plan.reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        now = time.perf_counter()
+        now = self.ranks.now()
         for r in plan.reqs:
             if r.admit_time is None:
                 r.admit_time = now
@@ -554,7 +589,11 @@ class Scheduler:
                 self._finish(req, req.to_finish, insert=True)
                 continue
             if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
-                self._record_input_logprobs(req, batch, i, result)
+                with self.boundary.guard(req, "recording its prompt logprobs"):
+                    self._record_input_logprobs(req, batch, i, result)
+                if req.finished:  # that failed: the request ends here
+                    self._finish(req, req.finish_reason, insert=True)
+                    continue
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)
                 req.status = ReqStatus.CHUNKED
@@ -564,7 +603,8 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:
                 req.finish_reason = FinishReason("length", length=0)
             else:
-                self._accept_token(req, result, i)
+                with self.boundary.guard(req, "processing its output"):
+                    self._accept_token(req, result, i)
             if req.finished:
                 self._finish(req, req.finish_reason, insert=True)
             else:
@@ -579,11 +619,12 @@ class Scheduler:
             if req.finished:
                 continue  # finished while this batch was in flight: its extra slot is freed on release
             self.cache.commit(req, 1)
-            self._accept_token(req, result, i)
+            with self.boundary.guard(req, "processing its output"):
+                self._accept_token(req, result, i)
+                if not req.finished:
+                    self._maybe_stream(req)
             if req.finished:
                 finished.append(req)
-            else:
-                self._maybe_stream(req)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -625,17 +666,24 @@ class Scheduler:
             self.pending_release[id(req)] = req  # a launched batch may still write its KV
         else:
             self.cache.release(req, insert=insert)
-        if req.abort_sent_time is not None and reason.type == "abort":
-            latency = max(0.0, time.time() - req.abort_sent_time)
-            self.cancel_latencies.append(latency)
-            h = self.cancel_hist
-            h["sum"] += latency
-            h["count"] += 1
-            for i, bound in enumerate(h["buckets"]):
-                if latency <= bound:
-                    h["counts"][i] += 1
+            self._on_released(req)
         self.stats["num_finished"] += 1
         self._emit(req)
+
+    def _on_released(self, req: Req) -> None:
+        """Cancel latency: the abort call to the moment the request's KV is returned."""
+        if req.abort_sent_time is None or req.finish_reason is None or req.finish_reason.type != "abort":
+            return
+        now = time.time()
+        latency = max(0.0, now - req.abort_sent_time)
+        self.cancel_latencies.append(latency)
+        self.recent_cancels.append((req.rid, req.abort_sent_time, now))
+        h = self.cancel_hist
+        h["sum"] += latency
+        h["count"] += 1
+        for i, bound in enumerate(h["buckets"]):
+            if latency <= bound:
+                h["counts"][i] += 1
 
     def _maybe_stream(self, req: Req) -> None:
         if req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
@@ -654,10 +702,14 @@ class Scheduler:
         lat = sorted(self.cancel_latencies)
         cancel = {"count": len(lat), "p50": lat[len(lat) // 2] if lat else None,
                   "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None}
-        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist, "paused": self.paused, "overlap": self.overlap,
+        return {"cancel_latency_s": cancel, "cancel_latency_hist": self.cancel_hist,
+                "recent_cancels": [list(c) for c in self.recent_cancels], "paused": self.paused, "overlap": self.overlap,
                 "forward_idle_fraction": round(self.timer.idle_fraction(), 4),
                 "memory": self.cache.memory_stats(), "num_running_reqs": len(self.running),
                 "num_waiting_reqs": len(self.waiting) + (1 if self.chunked_req else 0),
+                # prefill work still queued, in tokens (the load a fleet gateway balances on)
+                "num_waiting_tokens": sum(r.seqlen for r in self.waiting)
+                + (self.chunked_req.seqlen - self.chunked_req.kv_committed_len if self.chunked_req else 0),
                 "num_grammar_queue_reqs": len(self.grammar_queue), **self.grammar_queue.stats,
                 "new_token_ratio": self.ratio.value, "evicted_tokens_total": self.cache.evicted_tokens_total,
                 **self.stats, **(self.runner.info() if hasattr(self.runner, "info") else {}),

@@ -1,5 +1,5 @@
 """Entry point of a runtime child process: `python -m radixlm.srt.child` with
-(kind, ServerArgs, PortArgs) pickled on stdin."""
+(kind, ServerArgs, PortArgs, tp_rank) pickled on stdin."""
 from __future__ import annotations
 
 import logging
@@ -50,21 +50,34 @@ def die_with_parent(ports) -> None:
         on_term(signal.SIGTERM, None)
 
 
+def process_name(kind: str, tp_rank: int = 0) -> str:
+    """"scheduler" (TP rank 0, the one the other processes talk to), "scheduler_tp1", ..."""
+    return f"{kind}_tp{tp_rank}" if tp_rank else kind
+
+
 def main() -> None:
-    kind, args, ports = pickle.loads(sys.stdin.buffer.read())
+    kind, args, ports, tp_rank = pickle.loads(sys.stdin.buffer.read())
     die_with_parent(ports)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    name = process_name(kind, tp_rank)
     logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s [{kind}] %(levelname)s %(name)s: %(message)s")
-    reporter = ReadyReporter(kind, ports.ready)
+                        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")
+    reporter = ReadyReporter(name, ports.ready)
     if kind == "scheduler":
         from radixlm.srt.scheduler_process import run_scheduler_process
-        run_scheduler_process(args, ports, reporter)
+        run_scheduler_process(args, ports, reporter, tp_rank)
     elif kind == "detokenizer":
         from radixlm.srt.detokenizer_process import run_detokenizer_process
         run_detokenizer_process(args, ports, reporter)
     else:
         raise SystemExit(f"unknown child kind {kind!r}")
+    # Stopped in order (its sockets are closed): skip the interpreter's finalization, whose
+    # garbage collection over torch's and transformers' module state took ~5 s, long enough
+    # for the launcher to give up waiting and SIGTERM us.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ one inbound queue and sees every message in the scheduler's order.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 
@@ -17,27 +18,48 @@ logger = logging.getLogger(__name__)
 
 
 class DetokenizerManager:
+    """Per-request incremental detokenizers. A request whose detokenization raises is ended
+    alone (a 500 abort, `failed=True`): the rest of the batch is delivered as usual."""
+
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, IncrementalDetokenizer] = {}
+        # requests ended here whose scheduler side has not sent its terminal output yet
+        self.failed: set[str] = set()
 
     def handle(self, batch: BatchTokenOut) -> BatchTextOut:
         out = []
         for o in batch.outputs:
-            det = self.states.get(o.rid)
-            if det is None:
-                p = o.detok or DetokParams()
-                det = IncrementalDetokenizer(self.tokenizer, list(p.stop), p.skip_special_tokens,
-                                             p.no_stop_trim, p.spaces_between_special_tokens,
-                                             list(p.stop_regex))
-                self.states[o.rid] = det
-            finished = o.finish_reason is not None
-            # no tokenizer (skip_tokenizer_init): ids pass through, there is no text
-            text = det.add(o.new_token_ids, finished=finished) if self.tokenizer is not None else ""
-            if finished:
-                del self.states[o.rid]
-            out.append(ReqTextOutput(o, text))
+            if o.rid in self.failed:  # already answered; drop until the scheduler's last word
+                if o.finish_reason is not None:
+                    self.failed.discard(o.rid)
+                continue
+            try:
+                out.append(ReqTextOutput(o, self._text(o)))
+            except Exception as e:  # noqa: BLE001 - one request's failure is that request's
+                logger.error("detokenizing %s failed; ending it alone:\n%s", o.rid, traceback.format_exc())
+                self.states.pop(o.rid, None)
+                if o.finish_reason is None:
+                    self.failed.add(o.rid)
+                reason = {"type": "abort", "status_code": 500,
+                          "message": f"internal error while detokenizing ({type(e).__name__}: {str(e)[:200]})"}
+                out.append(ReqTextOutput(dataclasses.replace(o, finish_reason=reason), "", failed=True))
         return BatchTextOut(out)
+
+    def _text(self, o) -> str:
+        det = self.states.get(o.rid)
+        if det is None:
+            p = o.detok or DetokParams()
+            det = IncrementalDetokenizer(self.tokenizer, list(p.stop), p.skip_special_tokens,
+                                         p.no_stop_trim, p.spaces_between_special_tokens,
+                                         list(p.stop_regex))
+            self.states[o.rid] = det
+        finished = o.finish_reason is not None
+        # no tokenizer (skip_tokenizer_init): ids pass through, there is no text
+        text = det.add(o.new_token_ids, finished=finished) if self.tokenizer is not None else ""
+        if finished:
+            del self.states[o.rid]
+        return text
 
 
 def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:

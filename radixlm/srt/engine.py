@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import threading
+import time
 from typing import Any, AsyncIterator, Iterator
 
 from radixlm.config import ServerArgs
@@ -17,11 +19,28 @@ logger = logging.getLogger(__name__)
 
 # Batches at least this long show a progress bar.
 PROGRESS_BAR_MIN_PROMPTS = 16
+SHUTDOWN_MESSAGE = "the engine is shutting down"
+# How long shutdown waits for answered callers to receive their answers.
+SHUTDOWN_GRACE_S = 5.0
+# How long an interrupted call waits for its request's clean-up (the abort) to run.
+CANCEL_CLEANUP_WAIT_S = 5.0
+
+
+class EngineShutDown(RuntimeError):
+    """The engine is shut down (or was, while the call waited)."""
+
+
+async def _run(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def _generate_kwargs(call_locals: dict) -> dict:
     """The generate() arguments as TokenizerManager.generate_request keywords."""
     return {k: v for k, v in call_locals.items() if k != "self"}
+
+
+def _final(chunk) -> bool:
+    return chunk is not None and chunk["meta_info"].get("finish_reason") is not None
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -40,6 +59,8 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.basicConfig(level=self.server_args.log_level.upper())
         self._closed = False
+        self._calls: set[concurrent.futures.Future] = set()  # calls in progress on the loop
+        self._calls_lock = threading.Lock()
         self.procs = launch_subprocesses(self.server_args)
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True)
@@ -61,33 +82,106 @@ class Engine:
                              name=f"radixlm-watch-{name}").start()
 
     def _watch_child(self, name: str, proc) -> None:
+        from radixlm.srt.launch import describe
         code = proc.wait()
         if self._closed:
             return
-        logger.error("the %s process exited unexpectedly (code %s)", name, code)
+        # The other ranks would only wait for it in their next collective: stop them; their
+        # exits are consequences, not news.
+        if not self.procs.stop_tp_ranks(name):
+            return
+        logger.error("the %s exited unexpectedly (code %s)", describe(name), code)
         try:
             self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all,
-                                            f"the {name} process exited unexpectedly (code {code})")
+                                            f"the {describe(name)} exited unexpectedly (code {code})")
         except RuntimeError:  # the loop is already closed
             pass
 
     # ------------------------------------------------------------------ plumbing
+    def _submit(self, coro) -> tuple[concurrent.futures.Future, threading.Event, threading.Event]:
+        """Run `coro` on the engine's loop. The events say it started and it ran to its end
+        (its clean-up included), so a cancelled caller can wait for the abort it causes."""
+        started, ended = threading.Event(), threading.Event()
+
+        async def guarded():
+            started.set()
+            try:
+                return await coro
+            finally:
+                ended.set()
+        fut = asyncio.run_coroutine_threadsafe(guarded(), self._loop)
+        with self._calls_lock:
+            self._calls.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut, started, ended
+
+    def _forget(self, fut) -> None:
+        with self._calls_lock:
+            self._calls.discard(fut)
+
     def _call(self, coro, timeout: float | None = None):
+        """Block on `coro`. If the wait is interrupted (KeyboardInterrupt, a timeout, any
+        exception raised in this thread), the coroutine is cancelled, which aborts the
+        request it was waiting on, and its clean-up is awaited before the exception goes on."""
         if self._closed:
             coro.close()
-            raise RuntimeError("the engine is shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+            raise EngineShutDown("the engine is shut down")
+        fut, started, ended = self._submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.CancelledError:
+            raise EngineShutDown("the engine was shut down while this call was waiting") from None
+        except BaseException:
+            if fut.cancel() and started.is_set():  # (one cancelled before it started has nothing to undo)
+                ended.wait(CANCEL_CLEANUP_WAIT_S)
+            raise
+
+    def _call_soon(self, fn, *args, **kwargs):
+        """Run a plain function on the loop and return its result."""
+        return self._call(_run(fn, *args, **kwargs))
 
     async def _bridge(self, coro):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        if self._closed:
+            coro.close()
+            raise EngineShutDown("the engine is shut down")
+        fut, _, _ = self._submit(coro)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled() and self._closed:
+                raise EngineShutDown("the engine was shut down while this call was waiting") from None
+            fut.cancel()  # the caller's own task was cancelled: so is the request
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
+        """Stop the engine. Every caller still waiting (generate, a stream, async or not, a
+        request held by a pause or the weight lock) first gets a terminal answer: an abort
+        "the engine is shutting down" (status 503), or EngineShutDown if it cannot."""
         if self._closed:
             return
-        self._closed = True
         tm = getattr(self, "tokenizer_manager", None)
-        if tm is not None and self._thread.is_alive():
+        alive = hasattr(self, "_thread") and self._thread.is_alive()
+        if tm is not None and alive:
+            try:
+                asyncio.run_coroutine_threadsafe(_run(tm.shut_down, SHUTDOWN_MESSAGE), self._loop).result(5)
+            except Exception:
+                logger.exception("answering the callers at shutdown failed")
+            # Their answers reach them; a stream's caller may need a few more calls to read its
+            # last chunks, so wait until no call is in progress (new requests are refused).
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S
+            while time.monotonic() < deadline:
+                with self._calls_lock:
+                    waiting = list(self._calls)
+                if not waiting:
+                    break
+                concurrent.futures.wait(waiting, timeout=max(0.0, deadline - time.monotonic()))
+        self._closed = True
+        with self._calls_lock:
+            left = list(self._calls)
+        for fut in left:  # nothing answered these: their callers get EngineShutDown
+            fut.cancel()
+        if tm is not None and alive:
             try:
                 asyncio.run_coroutine_threadsafe(tm.close(), self._loop).result(5)
             except Exception:
@@ -131,9 +225,12 @@ class Engine:
 
     @staticmethod
     async def _collect(agen):
-        async for out in agen:
-            return out
-        raise RuntimeError("no result")
+        try:
+            async for out in agen:
+                return out
+            raise RuntimeError("no result")
+        finally:
+            await agen.aclose()  # the request's clean-up runs now, not when it is collected
 
     async def _collect_with_progress(self, kw: dict, n: int):
         from tqdm import tqdm
@@ -169,35 +266,50 @@ class Engine:
             return None
 
     def _sync_iter(self, agen, first) -> Iterator[dict]:
+        last = first
         try:
             if first is not None:
                 yield first
             while True:
                 try:
-                    yield self._call(agen.__anext__())
+                    last = self._call(agen.__anext__())
                 except StopAsyncIteration:
                     return
+                except EngineShutDown:
+                    if _final(last):
+                        return  # the shutdown's abort was this stream's last chunk
+                    raise
+                yield last
         finally:
             if not self._closed:
                 self._call(agen.aclose())
 
     async def _async_iter(self, agen, first) -> AsyncIterator[dict]:
+        last = first
         try:
             if first is not None:
                 yield first
             while True:
                 try:
-                    yield await self._bridge(agen.__anext__())
+                    last = await self._bridge(agen.__anext__())
                 except StopAsyncIteration:
                     return
+                except EngineShutDown:
+                    if _final(last):
+                        return
+                    raise
+                yield last
         finally:
             if not self._closed:
                 await self._bridge(agen.aclose())
 
     # ------------------------------------------------------------------ control
-    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> None:
-        tm = self.tokenizer_manager
-        self._loop.call_soon_threadsafe(tm.abort_request, rid, abort_all, prefix)
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort `rid` and its own n > 1 children, every rid starting with `rid` (prefix=True),
+        or everything. Their callers are answered at once; returns how many requests were hit.
+        A rid not here yet (0) is kept as a tombstone for a few seconds and aborted on arrival."""
+        sent = time.time()
+        return self._call_soon(self.tokenizer_manager.abort_request, rid, abort_all, prefix, sent_time=sent)
 
     def pause_generation(self, mode: str = "abort") -> None:
         self._call(self.tokenizer_manager.pause_generation(mode))
@@ -217,6 +329,24 @@ class Engine:
                                  weight_version: str | None = None) -> dict:
         return self._call(self.tokenizer_manager.update_weights_from_disk(model_path, flush_cache,
                                                                           weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """Join a trainer's torch.distributed group as ranks rank_offset .. rank_offset + tp_size - 1
+        (the trainer is rank 0); returns once every member has joined."""
+        return self._call(self.tokenizer_manager.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: str | None = None, abort_all_requests: bool = False) -> dict:
+        """Receive `names` (with these dtypes and shapes, whole) as the trainer broadcasts them on
+        the group; waits for running requests, all or nothing, bumps (or sets) the weight version."""
+        return self._call(self.tokenizer_manager.update_weights_from_distributed(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, abort_all_requests))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._call(self.tokenizer_manager.destroy_weights_update_group(group_name))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         return self._call(self.tokenizer_manager.get_weights_by_name(name, truncate_size))

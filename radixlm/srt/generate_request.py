@@ -1,7 +1,7 @@
 """Normalizing a generate call (single or batch, text or ids, n > 1) into scheduler requests.
 
-All validation happens here, before anything is submitted, so a bad item raises
-ValueError and nobody else's request is touched.
+All validation happens here (with the rules of radixlm/validation.py), before anything is
+submitted, so a bad item raises ValueError and nobody else's request is touched.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
+from radixlm.validation import RequestLimits, check_context, check_top_logprobs_num
 
 
 @dataclass
@@ -55,11 +56,36 @@ def _as_list(x: Any, n: int, name: str) -> list:
     return [x] * n
 
 
-def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=None,
-                       input_ids=None, sampling_params=None, return_logprob=False,
+def _explicit_max_new_tokens(sp: Any) -> bool:
+    """Whether the caller chose max_new_tokens (checked against the context) or left the
+    default (clamped to the room the prompt leaves, as SGLang does)."""
+    if isinstance(sp, SamplingParams):
+        return True
+    return isinstance(sp, dict) and any(sp.get(k) is not None for k in ("max_new_tokens", "max_tokens"))
+
+
+def _sampling_params(raw: Any, vocab_size: int, limits: RequestLimits) -> SamplingParams:
+    if isinstance(raw, SamplingParams):
+        sp = copy.deepcopy(raw)
+    elif raw is None or isinstance(raw, dict):
+        sp = SamplingParams.from_dict(raw)
+    else:
+        raise ValueError(f"sampling_params must be an object, got {type(raw).__name__}")
+    sp.verify(vocab_size, limits)
+    return sp
+
+
+def _check_flag(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: RequestLimits | None = None,
+                       prompt=None, input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch."""
+    limits = limits or RequestLimits()
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt and input_ids must be given")
     if prompt is not None:
@@ -67,7 +93,6 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         texts = prompt if is_batch else [prompt]
         if not texts:
             raise ValueError("the prompt list is empty")
-        ids_list = []
         for t in texts:
             if not isinstance(t, str):
                 raise ValueError(f"a prompt must be a string, got {type(t).__name__}")
@@ -76,14 +101,15 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this server runs with "
                                  "skip_tokenizer_init: send input_ids")
-            ids_list.append(tokenizer.encode(t, add_special_tokens=False))
+        n = len(texts)
     else:
-        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
-        ids_list = input_ids if is_batch else [input_ids]
-        if not isinstance(ids_list, list):
+        if not isinstance(input_ids, list):
             raise ValueError("input_ids must be a list of token ids or a list of such lists")
-    n = len(ids_list)
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+        n = len(input_ids) if is_batch else 1
+    _check_flag(stream, "stream")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not 0 < timeout < float("inf")):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if is_batch and stream:
         raise ValueError("stream=True takes a single prompt")
@@ -100,7 +126,13 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         if len(set(rids)) != len(rids):
             raise ValueError("rids within one call must be distinct")
 
+    params = [_sampling_params(sp, vocab_size, limits) for sp in sps]
+    if prompt is not None:  # the costly part, once the cheap checks passed
+        ids_list = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    else:
+        ids_list = input_ids if is_batch else [input_ids]
     items = []
+    total = 0
     for i, ids in enumerate(ids_list):
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                 for t in ids):
@@ -110,27 +142,25 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, prompt=N
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"input token ids out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
-        if len(ids) >= context_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {context_len}")
-        sp = sps[i]
-        if isinstance(sp, SamplingParams):
-            sp = copy.deepcopy(sp)
-        elif sp is None or isinstance(sp, dict):
-            sp = SamplingParams.from_dict(sp)
-        else:
-            raise ValueError("sampling_params must be a dict")
-        sp.verify(vocab_size)
+        sp = params[i]
+        check_context(len(ids), sp.max_new_tokens if _explicit_max_new_tokens(sps[i]) else None, context_len)
         if tokenizer is None and (sp.stop or sp.stop_regex or sp.grammar is not None):
             raise ValueError("stop strings, stop_regex and structured output need a tokenizer, and this "
                              "server runs with skip_tokenizer_init (stop_token_ids work)")
+        _check_flag(rlp[i], "return_logprob")
         start = lsl[i]
-        start = -1 if start is None else int(start)
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool)):
+            raise ValueError(f"logprob_start_len must be an integer, got {start!r}")
+        start = -1 if start is None else start
         if rlp[i] and start < 0:
             start = len(ids)  # default: output logprobs only
         if start > len(ids):
             raise ValueError(f"logprob_start_len ({start}) exceeds the prompt length ({len(ids)})")
-        top = int(tln[i] or 0)
-        if top < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
+        top = 0 if tln[i] is None else tln[i]
+        check_top_logprobs_num(top, limits)
+        total += sp.n
+        if total > limits.max_sequences_per_request:
+            raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
+                             "(prompts x n; server flag --max-sequences-per-request)")
         items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout))
     return items, is_batch

@@ -11,7 +11,6 @@ IPC directory removed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -28,14 +27,21 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from pydantic import ValidationError
+
 from radixlm.config import ServerArgs
-from radixlm.srt.http_rl_routes import add_rl_routes
-from radixlm.srt.http_tokenize_routes import add_tokenize_routes
+from radixlm.srt.http_auth import AuthMiddleware, auth_of, is_loopback_bind
+from radixlm.srt.http_limits import BodyGuard, header_timeout_protocol
+from radixlm.srt.http_rl_routes import RL_REQUEST_BODIES, add_rl_routes
+from radixlm.srt.http_tokenize_routes import TOKENIZE_REQUEST_BODIES, add_tokenize_routes
 from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJSONResponse, SSEResponse,
-                                    abort_error, error_body, error_response, next_or_disconnect, parse_body,
-                                    sse_event, validation_message)
+                                    abort_error, declare_request_bodies, error_body, error_response,
+                                    next_or_disconnect, parse_body, sse_event)
+from radixlm.srt.http_worker_routes import add_worker_routes
+from radixlm.srt.launch import describe as describe_process
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
+from radixlm.validation import describe
 from radixlm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -44,9 +50,16 @@ HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 # Uvicorn waits this long for in-flight requests after the abort-all on shutdown.
 GRACEFUL_SHUTDOWN_S = 5
+SHUTDOWN_MESSAGE = "the server is shutting down"
+# Request line + headers (h11 answers 400 beyond).
+MAX_HEADER_BYTES = 64 * 1024
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# What each route's JSON body is (parsed by parse_body; declared in /openapi.json).
+REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
+                  ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
+                  ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
 def default_served_model_name(model_path: str) -> str:
     name = os.path.basename(model_path.rstrip("/")) or model_path
     return name[:-5] if name.lower().endswith(".gguf") else name
@@ -61,7 +74,7 @@ class ServerContext:
     tm: Any = None
     openai: Any = None
     shutting_down: bool = False
-    dead_child: str | None = None  # a runtime process that exited while we were serving
+    dead_child: str | None = None  # which runtime process exited while we were serving, and how
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -87,17 +100,25 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
             yield
         finally:
             ctx.shutting_down = True
-            ctx.tm.abort_request(abort_all=True)
+            ctx.tm.shut_down(SHUTDOWN_MESSAGE)
+            await ctx.openai.chat_templates.aclose()
             await ctx.tm.close()
 
     app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.ctx = ctx
+    app.state.max_json_nesting = args.max_json_nesting
     _add_error_handlers(app)
     _add_openai_routes(app)
     _add_native_routes(app)
     add_rl_routes(app, lambda request: _ctx(request).tm)
     add_tokenize_routes(app, _ctx)
+    add_worker_routes(app, _ctx)
+    declare_request_bodies(app, REQUEST_BODIES)
+    # the last added runs first: keys and origins are checked before any body is read
+    app.add_middleware(BodyGuard, max_bytes=args.max_payload_size, timeout_s=args.http_body_timeout)
+    app.add_middleware(AuthMiddleware, api_key=args.api_key, admin_api_key=args.admin_api_key,
+                       bind_host=args.host, allowed_hosts=args.allowed_hosts)
     return app
 
 
@@ -108,9 +129,10 @@ def _watch_children(ctx: ServerContext, loop: asyncio.AbstractEventLoop) -> None
     def on_exit(name: str, code: int | None) -> None:
         if ctx.shutting_down:
             return
-        logger.error("the %s process exited unexpectedly (code %s); shutting down", name, code)
-        ctx.dead_child = name
-        ctx.tm.fail_all(f"the {name} process exited unexpectedly (code {code})")
+        what = describe_process(name)
+        logger.error("the %s exited unexpectedly (code %s); shutting down", what, code)
+        ctx.dead_child = f"{what} died (exit code {code})"
+        ctx.tm.fail_all(f"the {what} exited unexpectedly (code {code})")
         signal.raise_signal(signal.SIGTERM)  # uvicorn's graceful exit path
 
     def wait(name: str, proc) -> None:
@@ -135,7 +157,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         # FastAPI says 422; OpenAI clients (and our contract) expect 400 for any bad body.
-        message, param = validation_message(list(exc.errors()))
+        message, param = describe(list(exc.errors()))
         return error_response(message, 400, param)
 
     @app.exception_handler(HTTPError)
@@ -144,7 +166,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):
+        if isinstance(exc, ValidationError):  # pydantic's, raised outside parse_body
+            message, param = describe(exc)
+            return error_response(message, 400, param)
         return error_response(str(exc), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        # Last resort (the traceback is logged by Starlette): JSON like every other error.
+        return error_response(f"internal error: {type(exc).__name__}", 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException):
@@ -184,9 +214,7 @@ def _add_native_routes(app: FastAPI) -> None:
     async def generate(request: Request):
         body = await parse_body(request, GenerateRequest)
         tm = _ctx(request).tm
-        kw = body.model_dump()
-        kw["prompt"] = kw.pop("text")
-        agen = tm.generate_request(**kw)
+        agen = tm.generate_request(**body.generate_kwargs())
         if not body.stream:
             try:
                 out = await next_or_disconnect(agen, request.receive)
@@ -197,18 +225,21 @@ def _add_native_routes(app: FastAPI) -> None:
                 if err is not None:
                     return error_response(err[1], err[0])
             return ORJSONResponse(out)
-        first = await next_or_disconnect(agen, request.receive)  # input errors → plain 400
+        # An error before anything is streamed (bad input 400, full queue 503, ...) is a plain
+        # HTTP error: a gateway retries a 503 on another worker only if it sees the status.
+        first = await next_or_disconnect(agen, request.receive)
         err = abort_error(first["meta_info"])
-        if err is not None and err[0] == 400:
+        if err is not None:
             await agen.aclose()
-            return error_response(err[1], 400)
+            return error_response(err[1], err[0])
         return SSEResponse(_cumulative_events(first, agen))
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await parse_body(request, AbortRequest)
+        # The callers hit are answered now; an unknown rid hits 0 and leaves a tombstone.
         n = _ctx(request).tm.abort_request(body.rid, body.abort_all, body.prefix)
-        return ORJSONResponse({"success": True, "num_aborted": n or 0})
+        return ORJSONResponse({"success": True, "num_aborted": n})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request, timeout: float = 1.0):
@@ -241,26 +272,6 @@ def _add_native_routes(app: FastAPI) -> None:
         if ctx.shutting_down or not ctx.procs.alive():
             return Response(status_code=503)
         return Response(status_code=200 if await _health_generate(ctx.tm) else 503)
-
-    @app.get("/get_model_info")
-    async def get_model_info(request: Request):
-        ctx = _ctx(request)
-        tm = ctx.tm
-        return ORJSONResponse({"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
-                               "is_generation": True, "context_length": tm.context_len,
-                               "vocab_size": tm.vocab_size, "served_model_name": ctx.served_model_name,
-                               "weight_version": tm.weight_version})
-
-    @app.get("/get_server_info")
-    async def get_server_info(request: Request):
-        ctx = _ctx(request)
-        info = await ctx.tm.get_server_info()
-        info["server_args"] = dataclasses.asdict(ctx.args)
-        info["served_model_name"] = ctx.served_model_name
-        info["version"] = __version__
-        info["runtime"] = {"pid": os.getpid(), "ipc_dir": ctx.procs.ports.dir,
-                           "child_pids": {k: p.pid for k, p in ctx.procs.procs.items()}}
-        return ORJSONResponse(info)
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -348,15 +359,16 @@ def _make_uvicorn_server(app: FastAPI, args: ServerArgs):
         async def shutdown(self, sockets=None) -> None:
             ctx: ServerContext = app.state.ctx
             ctx.shutting_down = True
-            if ctx.tm is not None:
-                ctx.tm.abort_request(abort_all=True)
+            if ctx.tm is not None:  # every caller is answered now (503), wherever its request is
+                ctx.tm.shut_down(SHUTDOWN_MESSAGE)
             getattr(self, "_captured_signals", []).clear()
             await super().shutdown(sockets)
 
     verbose = args.log_level in ("debug", "info")
     config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", log_level=args.log_level,
                             access_log=verbose, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=30, http=header_timeout_protocol(args.http_header_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     return Server(config)
 
 
@@ -371,6 +383,9 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [http] %(levelname)s %(name)s: %(message)s")
+    if not is_loopback_bind(args.host) and not (args.api_key or args.admin_api_key):
+        logger.warning("serving on %s without --api-key: anyone who reaches the port can generate, "
+                       "pause, reload weights and abort everything", args.host)
     # Until uvicorn installs its handlers (and after it restores them), SIGTERM must unwind
     # through the `finally` below instead of killing the process with the children's IPC
     # directory left behind.
@@ -384,7 +399,9 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
         if not server.started:
             raise SystemExit("the HTTP server failed to start (is the port in use?)")
         if app.state.ctx.dead_child:
-            raise SystemExit(f"stopped: the {app.state.ctx.dead_child} process died")
+            # exit status 1: a supervisor restarts the server (docs/error_boundary.md, "Crash policy")
+            raise SystemExit(f"radixlm: stopped: the {app.state.ctx.dead_child}; every request in flight was "
+                             "answered with a 500; restart the server")
     except KeyboardInterrupt:
         pass
     finally:

@@ -26,7 +26,7 @@ TOKENIZE_INLINE_MAX_CHARS = 20_000
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | list[str] | None = None
@@ -41,11 +41,17 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int] | list[list[int]] = Field(default_factory=list)
     skip_special_tokens: bool = True
+
+
+# declared in /openapi.json (http_utils.declare_request_bodies)
+TOKENIZE_REQUEST_BODIES = {("POST", path): model for paths, model in
+                           ((("/tokenize", "/v1/tokenize"), TokenizeRequest),
+                            (("/detokenize", "/v1/detokenize"), DetokenizeRequest)) for path in paths}
 
 
 def add_tokenize_routes(app: FastAPI, ctx_of: Callable[[Request], Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 
 import orjson
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
+
+from radixlm.validation import check_nesting, describe
 
 logger = logging.getLogger(__name__)
 
@@ -58,27 +61,24 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the answer was ready (the work was aborted)."""
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """A readable message and the OpenAI `param` (the first bad field) from pydantic errors."""
-    def where(e: dict) -> str:
-        return ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-    parts = [f"{where(e)}: {e.get('msg')}" if where(e) else str(e.get("msg")) for e in errors[:5]]
-    return "; ".join(parts) or "invalid request", (where(errors[0]) or None) if errors else None
-
-
 async def parse_body(request: Request, model: type[M]) -> M:
     """The JSON body as `model`, whatever the content type says (curl -d sends a form type),
-    or HTTPError(400): malformed JSON and wrong field types are both client errors."""
+    or HTTPError(400): malformed JSON, nesting deeper than --max-json-nesting and wrong field
+    types are all client errors. The body's size was bounded before it was read
+    (http_limits.BodyGuard)."""
     raw = await request.body()
     try:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as e:
         raise HTTPError(f"malformed JSON body: {e}") from e
     try:
+        check_nesting(data, getattr(request.app.state, "max_json_nesting", 64), "the request body")
         return model.model_validate(data)
     except ValidationError as e:
-        message, param = validation_message(e.errors(include_url=False))
+        message, param = describe(e)
         raise HTTPError(message, param=param) from e
+    except ValueError as e:
+        raise HTTPError(str(e)) from e
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict:
@@ -222,3 +222,29 @@ async def merge_streams(gens: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int
             await _cancel_and_wait(t)
         for g in gens:
             await g.aclose()
+
+
+# ---------------------------------------------------------------------------- OpenAPI
+def declare_request_bodies(app, bodies: dict) -> None:
+    """Declare each route's JSON body in /openapi.json. The handlers parse bodies themselves
+    (parse_body: any content type, 400 not 422), so FastAPI cannot see them; this adds
+    `bodies[(method, path)]`'s schema to those operations (for clients and fuzzers)."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            with warnings.catch_warnings():  # routes with two methods share an operation id: harmless
+                warnings.simplefilter("ignore", UserWarning)
+                schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for (method, path), model in bodies.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                op = schema["paths"][path][method.lower()]
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -29,6 +29,22 @@ ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035
 LABELS = ["model_name"]
 
 
+class DecodeRate:
+    """Tokens decoded per second since the previous reading (SGLang reports it over its log
+    interval; a reader that polls, a Prometheus scrape or a gateway's load poll, needs no timer)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, int] | None = None  # (time, decode tokens) at the last reading
+        self.value = 0.0
+
+    def update(self, decoded: int) -> float:
+        now = time.monotonic()
+        if self._last is not None and now > self._last[0]:
+            self.value = max(0, decoded - self._last[1]) / (now - self._last[0])
+        self._last = (now, decoded)
+        return self.value
+
+
 class SGLangMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str]) -> None:
         self.model_name = model_name
@@ -50,8 +66,7 @@ class SGLangMetrics:
                              LABELS, buckets=E2E_BUCKETS, registry=r)
         self._info: dict | None = None
         self._cache_hit_rate = 0.0
-        self._throughput = 0.0
-        self._last_decode: tuple[float, int] | None = None  # (time, decode tokens) at the last scrape
+        self.decode_rate = DecodeRate()  # over the time between scrapes
         r.register(_SchedulerFamilies(self))
 
     # ------------------------------------------------------------------ per request
@@ -83,11 +98,7 @@ class SGLangMetrics:
         if not scheduler_info:
             return
         self._info = scheduler_info
-        now, decoded = time.monotonic(), int(scheduler_info.get("num_decode_tokens", 0))
-        if self._last_decode is not None and now > self._last_decode[0]:
-            # tokens decoded since the last scrape, per second (SGLang: over its log interval)
-            self._throughput = max(0, decoded - self._last_decode[1]) / (now - self._last_decode[0])
-        self._last_decode = (now, decoded)
+        self.decode_rate.update(int(scheduler_info.get("num_decode_tokens", 0)))
 
 
 class _SchedulerFamilies:
@@ -123,7 +134,7 @@ class _SchedulerFamilies:
         yield gauge("sglang:token_usage", "The token usage.", used / capacity)
         yield gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", capacity)
         yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", self.m._cache_hit_rate)
-        yield gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.m._throughput)
+        yield gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.m.decode_rate.value)
         yield gauge("sglang:new_token_ratio", "The new token ratio.", info.get("new_token_ratio", 0.0))
         yield counter("sglang:num_retracted_requests", "Total number of retracted requests.",
                       info.get("num_retractions", 0))

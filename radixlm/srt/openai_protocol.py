@@ -2,7 +2,9 @@
 /generate body.
 
 Request models accept unknown fields (clients send many optional OpenAI fields we have no
-use for; the handler logs them), but type errors are rejected with 400 by the app.
+use for; the handler logs them), but type errors are rejected with 400 by the app. Types
+are strict and the sampling fields share their types and ranges with the native
+sampling params (radixlm/validation.py); null means the default.
 Response models are dumped with `model_dump()`, so absent optional values appear as null,
 as OpenAI's own responses do.
 """
@@ -11,17 +13,28 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from radixlm.validation import (AdditivePenalty, JsonSchemaInput, LogitBias, MinP, NonNegInt, PositiveInt,
+                                PositiveSeconds, RepetitionPenalty, Seed, Stop, StopRegexInput, Temperature, TokenId,
+                                TopK, TopP, sampling_params_input_model)
 
 # Token-id prompts come before strings so that [1, 2] is read as ids, never coerced to text.
 PromptType = Union[list[list[int]], list[int], list[str], str]
 
 
+def _drop_nulls(data: Any) -> Any:
+    """null means "the default" (SGLang's rule): a None field is as if it were absent."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
+    _nulls_are_defaults = model_validator(mode="before")(_drop_nulls)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -30,44 +43,44 @@ class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang's extras."""
 
     model: str | None = None  # None: the one served model
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    n: PositiveInt | None = 1
+    max_tokens: NonNegInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
+    frequency_penalty: AdditivePenalty | None = None
+    presence_penalty: AdditivePenalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: LogitBias | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extras (SGLang/vLLM names)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
+    ignore_eos: bool | None = False
+    min_tokens: NonNegInt | None = 0
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    stop_token_ids: list[TokenId] | None = None
+    stop_regex: StopRegexInput | None = None
     rid: str | list[str] | None = None
-    timeout: float | None = None  # per-request deadline in seconds (503 when exceeded)
+    timeout: PositiveSeconds | None = None  # per-request deadline in seconds (503 when exceeded)
     # structured output: OpenAI's response_format, or SGLang's direct constraints
     response_format: dict[str, Any] | None = None
-    json_schema: str | dict[str, Any] | None = None
+    json_schema: JsonSchemaInput | None = None
     regex: str | None = None
     ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: PromptType
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    logprobs: NonNegInt | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: PositiveInt | None = None
 
 
 class ContentPart(_Request):
@@ -106,42 +119,81 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: NonNegInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: NonNegInt | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    parallel_tool_calls: bool | None = True
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+SamplingParamsInput = sampling_params_input_model()
 
 
 class GenerateRequest(BaseModel):
     """The native /generate body (SGLang's GenerateReqInput, the fields radixlm supports).
     Unknown fields are rejected: a typo here would otherwise silently change sampling."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+    _nulls_are_defaults = model_validator(mode="before")(_drop_nulls)
 
     text: str | list[str] | None = None
     input_ids: list[list[int]] | list[int] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: bool = False
-    return_logprob: bool | list[bool] = False
+    sampling_params: SamplingParamsInput | list[SamplingParamsInput] | None = None
+    stream: bool | None = False
+    return_logprob: bool | list[bool] | None = False
     logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    return_text_in_logprobs: bool = False
+    top_logprobs_num: NonNegInt | list[NonNegInt] | None = None
+    return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
-    timeout: float | None = None
+    timeout: PositiveSeconds | None = None
+    # The SGLang Model Gateway (smg) re-serializes every /generate it forwards and adds these
+    # fields at their defaults. An explicit allow-list: each is accepted at the value that
+    # means "nothing special" and none reaches the engine (GATEWAY_GENERATE_FIELDS).
+    model: str | None = None  # smg routes by it ("unknown" when the client named none)
+    log_metrics: bool = True
+    no_logs: bool = False  # radixlm never logs prompts or outputs
+    background: bool = False
+    return_bytes: bool = False
+    return_entropy: bool = False
+    return_hidden_states: bool = False
+
+    @field_validator("background", "return_bytes", "return_entropy", "return_hidden_states", mode="before")
+    @classmethod
+    def _default_only(cls, v: Any, info: ValidationInfo) -> bool:
+        if v not in (False, None):
+            raise ValueError(f"{info.field_name}={v!r} is not supported (only false)")
+        return False
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """TokenizerManager.generate_request keywords (nulls dropped: the defaults apply)."""
+        kw = self.model_dump(exclude_none=True, exclude=GATEWAY_GENERATE_FIELDS)
+        sp = self.sampling_params
+        if sp is not None:  # only the fields the client gave: an explicit max_new_tokens is checked
+            kw["sampling_params"] = ([p.model_dump(exclude_none=True) for p in sp] if isinstance(sp, list)
+                                     else sp.model_dump(exclude_none=True))
+        if "text" in kw:
+            kw["prompt"] = kw.pop("text")
+        return kw
+
+
+# Fields of GenerateRequest that are protocol noise from the gateway, not generation input.
+GATEWAY_GENERATE_FIELDS = frozenset({"model", "log_metrics", "no_logs", "background", "return_bytes",
+                                     "return_entropy", "return_hidden_states"})
 
 
 class AbortRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     rid: str = ""
     abort_all: bool = False
     prefix: bool = False
 
 
 class PauseRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 

@@ -19,6 +19,8 @@ from starlette.types import Receive
 
 from radixlm.sampling_params import SamplingParams
 from radixlm.sampling_params import GRAMMAR_KINDS
+from radixlm.validation import check_top_logprobs_num
+from radixlm.srt.chat_template import ChatTemplateError, ChatTemplateRenderer
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
 from radixlm.srt.function_call.formats import select_format
 from radixlm.srt.function_call.stream import CallArgs, CallStart, Text, ToolCallStream
@@ -86,6 +88,8 @@ class OpenAIServing:
         self.tm = tm
         self.served_model_name = served_model_name
         self.token_bytes = TokenBytes(tm.tokenizer)
+        self.chat_templates = ChatTemplateRenderer(tm.tokenizer, getattr(tm.args, "allow_client_chat_template", False),
+                                                   getattr(tm.args, "chat_template_timeout", 5.0))
         # how tool calls are read for tool_choice=auto: the flag's format, else the template's
         self.tool_format = select_format(getattr(tm.args, "tool_call_parser", None),
                                          getattr(tm.tokenizer, "chat_template", None))
@@ -206,10 +210,12 @@ class OpenAIServing:
                 message["name"] = m.name
             messages.append(message)
         try:
-            text = tok.apply_chat_template(
-                messages, tools=tools, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            text = await self.chat_templates.render(
+                messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, client_kwargs=req.chat_template_kwargs,
+                tools=tools)
+        except ChatTemplateError as e:
+            raise HTTPError(str(e), param="chat_template_kwargs") from e
         except Exception as e:  # jinja errors: the template rejects these messages
             raise HTTPError(f"cannot apply the chat template: {e}", param="messages") from e
         return (await self._tokenize([text]))[0]
@@ -219,6 +225,10 @@ class OpenAIServing:
              forced_schema: str | None = None) -> Job:
         if req.model_extra:
             logger.debug("ignoring unsupported request fields: %s", sorted(req.model_extra))
+        try:
+            check_top_logprobs_num(top_logprobs, self.tm.limits, "top_logprobs" if chat else "logprobs")
+        except ValueError as e:
+            raise HTTPError(str(e), param="top_logprobs" if chat else "logprobs") from e
         ctx = self.tm.context_len
         sampling = []
         for ids in prompts:
@@ -279,14 +289,11 @@ class OpenAIServing:
                                 "response_format, json_schema, regex or ebnf", param="tool_choice")
             d["json_schema"] = forced_schema
         if req.logit_bias:
-            try:
-                d["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
-            except ValueError as e:
-                raise HTTPError("logit_bias keys must be token ids", param="logit_bias") from e
+            d["logit_bias"] = dict(req.logit_bias)  # keys already token ids (validation.LogitBias)
         try:  # validate now: a bad value must be a 400 before anything is streamed
-            SamplingParams.from_dict(dict(d)).verify(self.tm.vocab_size)
-        except (ValueError, TypeError) as e:
-            word = str(e).split(" ", 1)[0]
+            SamplingParams.from_dict(dict(d)).verify(self.tm.vocab_size, self.tm.limits)
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0].removeprefix("sampling_params.").rstrip(":")
             raise HTTPError(str(e), param=PARAM_NAMES.get(word, word if word.isidentifier() else None)) from e
         return d
 
@@ -306,12 +313,13 @@ class OpenAIServing:
             return ORJSONResponse((self._chat_response if job.chat else self._completion_response)(job, results))
         gens = [self.tm.generate_request(**job.tm_kwargs(p, stream=True)) for p in range(len(job.prompts))]
         merged = merge_streams(gens)
-        # The first chunk is awaited here so that input errors are a plain HTTP 400.
+        # The first chunk is awaited here so that an error before anything is streamed (bad
+        # input 400, full queue 503) is a plain HTTP status, which a gateway can retry.
         first = await next_or_disconnect(merged, receive)
         err = abort_error(first[1]["meta_info"])
-        if err is not None and err[0] == 400:  # rejected by the scheduler: still an input error
+        if err is not None:
             await merged.aclose()
-            raise HTTPError(err[1], status=400)
+            raise HTTPError(err[1], status=err[0])
         return SSEResponse(self._stream_events(job, first, merged))
 
     async def _stream_events(self, job: Job, first: tuple[int, dict], merged: AsyncIterator) -> AsyncIterator[bytes]:

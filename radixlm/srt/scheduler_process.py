@@ -1,13 +1,23 @@
-"""The scheduler process: owns the model runner, pools and radix tree; runs the loop."""
+"""The scheduler process: owns the model runner, pools and radix tree; runs the loop.
+
+With tensor parallelism there is one such process per rank, each with the same scheduler
+(SGLang's design): rank 0 alone receives requests and control messages, broadcasts them with
+its clock at the top of every iteration, and alone sends outputs and replies; every rank
+applies the same messages in the same order and so takes the same decisions (see
+docs/tensor_parallel.md for what else has to agree).
+"""
 from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import PortArgs, Receiver, Sender
 from radixlm.messages import RpcReply, RpcReq, ShutdownReq
+from radixlm.srt.distributed.comm import ControlChannel
+from radixlm.srt.distributed.process_group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -15,8 +25,24 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 
 
-def build_scheduler(args: ServerArgs, send_output):
-    """Model runner + prefix cache + cache manager + scheduler, wired together."""
+class TPRankSync:
+    """Rank 0's clock as broadcast with the current iteration's messages, and agreement on
+    thread-timed completions (the RankSync of tensor-parallel ranks, rank_sync.py)."""
+
+    def __init__(self, control: ControlChannel) -> None:
+        self.control = control
+        self.time = time.perf_counter()
+
+    def now(self) -> float:
+        return self.time
+
+    def agree_done(self, counts: list[int]) -> list[int]:
+        return self.control.min_ints(counts)
+
+
+def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
+    """Model runner + prefix cache + cache manager + scheduler, wired together (with `tp`,
+    those of one tensor-parallel rank)."""
     from radixlm.radix_cache.base import create_prefix_cache
     from radixlm.scheduler.cache_manager import CacheManager
     from radixlm.scheduler.scheduler import Scheduler
@@ -24,7 +50,7 @@ def build_scheduler(args: ServerArgs, send_output):
     from radixlm.srt.model_runner.runner import ModelRunner
     from radixlm.srt.weights.loader import load_tokenizer
 
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, tp)
     # without one (skip_tokenizer_init) stop strings and grammars are refused at validation
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or runner.model_path)
     sched_runner = runner
@@ -35,7 +61,9 @@ def build_scheduler(args: ServerArgs, send_output):
         # a copy moves a slot's whole KV; a callable, since release/resume swaps the tensors.
         tree = build_hiradix_cache(args, runner.req_to_token_pool, runner.allocator, kv.slot_buffers)
         sched_runner = LoadFencedRunner(runner, tree.controller)  # forwards wait for host->device loads
+        controller = tree.controller
     else:
+        controller = None
         tree = create_prefix_cache(runner.req_to_token_pool, runner.allocator, page_size=args.page_size,
                                    eviction_policy=args.radix_eviction_policy,
                                    disable_radix_cache=args.disable_radix_cache)
@@ -45,18 +73,32 @@ def build_scheduler(args: ServerArgs, send_output):
                           chunked_prefill_size=sizes.chunked_prefill_size, tokenizer=tokenizer,
                           send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids))
+    if tp is not None and tp.size > 1:
+        ranks = TPRankSync(tp.control)
+        scheduler.ranks = scheduler.grammar_queue.ranks = ranks
+        if controller is not None:
+            controller.ranks = ranks
     return scheduler, runner
 
 
-def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready) -> None:
-    """Set-up common to children (parent-death handling, logging) is done by child.py."""
+def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int = 0) -> None:
+    """Set-up common to children (parent-death handling, logging) is done by child.py. Rank 0
+    talks to the other processes; the other ranks only to rank 0, through torch.distributed."""
     import zmq
     ctx = zmq.Context()
+    receiver = to_detok = None
     try:
-        receiver = Receiver(ctx, ports.scheduler_input)
-        to_detok = Sender(ctx, ports.detokenizer_input)
-        scheduler, runner = build_scheduler(args, to_detok.send)
-        ready.send({"status": "ready", "pid": os.getpid(),
+        tp = None
+        if args.tp_size > 1:
+            from radixlm.srt.distributed.process_group import init_tp_group
+            from radixlm.srt.model_runner.runner import resolve_device
+            tp = init_tp_group(tp_rank, args.tp_size, ports.tp_init_method, resolve_device(args.device),
+                               args.dist_timeout)
+        if tp_rank == 0:
+            receiver = Receiver(ctx, ports.scheduler_input)
+            to_detok = Sender(ctx, ports.detokenizer_input)
+        scheduler, runner = build_scheduler(args, to_detok.send if to_detok else (lambda out: None), tp)
+        ready.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank,
                     "model_path": runner.model_path, "vocab_size": runner.vocab_size,
                     "max_context_len": runner.max_context_len,
                     "max_total_tokens": runner.sizes.max_total_tokens,
@@ -65,30 +107,45 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready) -> None:
         ready.error(e)
         return
     try:
-        event_loop(scheduler, receiver, to_detok)
+        event_loop(scheduler, receiver, to_detok, tp.control if tp is not None else ControlChannel())
     except Exception:
-        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        logger.error("scheduler%s crashed:\n%s", f" (TP rank {tp_rank})" if tp is not None else "",
+                     traceback.format_exc())
         raise
     finally:
         ctx.destroy(linger=0)
 
 
-def event_loop(scheduler, receiver: Receiver, to_detok: Sender) -> None:
+def event_loop(scheduler, receiver: Receiver | None, to_detok: Sender | None,
+               control: ControlChannel | None = None) -> None:
+    """receiver/to_detok: rank 0's sockets (None on the other ranks). With more than one rank,
+    each iteration starts with rank 0's broadcast of the messages it received and its clock;
+    an idle rank 0 waits for its inbox at most IDLE_POLL_MS, so the others hear from it at
+    least that often."""
+    control = control or ControlChannel()
     while True:
-        for msg in receiver.recv_all():
+        msgs = receiver.recv_all() if receiver is not None else []
+        if control.size > 1:
+            msgs, scheduler.ranks.time = control.broadcast((msgs, time.perf_counter()))
+        for msg in msgs:
             if isinstance(msg, ShutdownReq):
                 return
-            handle_message(scheduler, msg, to_detok)
-        if not scheduler.step():
+            handle_message(scheduler, msg, to_detok, control)
+        if not scheduler.step() and receiver is not None:
             receiver.wait(IDLE_POLL_MS)
 
 
-def handle_message(scheduler, msg, to_detok: Sender) -> None:
+def handle_message(scheduler, msg, to_detok: Sender | None, control: ControlChannel | None = None) -> None:
+    """An RPC is answered once, by rank 0, with the lowest rank's error if any rank failed."""
     if isinstance(msg, RpcReq):
+        result, error = None, None
         try:
-            to_detok.send(RpcReply(msg.call_id, scheduler.handle(msg)))
+            result = scheduler.handle(msg)
         except Exception as e:
-            to_detok.send(RpcReply(msg.call_id, None, f"{type(e).__name__}: {e}"))
+            error = f"{type(e).__name__}: {e}"
+        errors = [e for e in (control.all_gather(error) if control is not None else [error]) if e is not None]
+        if to_detok is not None:
+            to_detok.send(RpcReply(msg.call_id, None if errors else result, errors[0] if errors else None))
         return
     try:
         scheduler.handle(msg)

@@ -1,7 +1,8 @@
 """The TokenizerManager: the asyncio front of the runtime (HTTP server and Engine share it).
 
-It tokenizes and validates requests, keeps `rid → state`, sends work to the scheduler,
-receives detokenized outputs, and aborts requests whose caller went away.
+It tokenizes and validates requests, keeps them in its request table (`request_table.py`),
+sends work to the scheduler, receives detokenized outputs, and answers every caller exactly
+once, an aborted one at the moment its abort is accepted (docs/cancel_chain.md).
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import zmq
@@ -17,79 +17,58 @@ import zmq.asyncio
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
-from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, FlushCacheReq, GetInfoReq,
-                              GetWeightsByNameReq, PauseReq, ReleaseMemoryReq, ReqOutput, ReqTextOutput, ResumeMemoryReq,
-                              RpcReply, RpcReq, UpdateWeightsFromDiskReq, UpdateWeightsFromTensorReq)
-from radixlm.scheduler.abort import abort_matches
+from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+                              FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
+                              UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
+from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Call, ReqState, RequestTable,
+                                       abort_reason, terminal_output)
+from radixlm.srt.results import absorb, early_abort_results, result
 from radixlm.srt.rwlock import RWLock
+from radixlm.validation import RequestLimits
 
 logger = logging.getLogger(__name__)
 
 # Prompts longer than this are tokenized in a worker thread.
 TOKENIZE_INLINE_MAX_CHARS = 20_000
+MEMORY_RELEASED = ("generation is unavailable: memory was released with release_memory_occupation(); "
+                   "call resume_memory_occupation() first")
 
 
-class _Tokenizing:
-    """Requests between arrival and submission (tokenizing, or held while paused); an abort
-    marks them so they are never sent."""
-
-    def __init__(self, rids: list[str]) -> None:
-        self.rids = rids
-        self.aborted = False
-        self.wake = asyncio.Event()  # set by an abort or by continue_generation
-
-
-def _assign_rids(kw: dict) -> list[str]:
-    """Give every prompt of the call its rid now, so an abort can name it while tokenizing."""
+def _assign_rids(kw: dict) -> tuple[list[str], bool]:
+    """Give every prompt of the call its rid now, so an abort can name it while tokenizing.
+    Returns the rids and whether the call is a batch."""
     import uuid
     prompt, input_ids = kw.get("prompt"), kw.get("input_ids")
-    n = len(prompt) if isinstance(prompt, list) else (
-        len(input_ids) if input_ids and isinstance(input_ids[0], list) else 1)
+    id_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+    is_batch = isinstance(prompt, list) or id_batch
+    n = len(prompt) if isinstance(prompt, list) else (len(input_ids) if id_batch else 1)
     if kw.get("rid") is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
-        kw["rid"] = rids if (isinstance(prompt, list) or (input_ids and isinstance(input_ids[0], list))) else rids[0]
+        kw["rid"] = rids if is_batch else rids[0]
     rid = kw["rid"]
-    return list(rid) if isinstance(rid, list) else [rid]
+    return ([r for r in rid if isinstance(r, str)] if isinstance(rid, list) else [rid]), is_batch
 
 
-def _aborted_result(rid: str, prompt_tokens: int, weight_version: str) -> dict:
-    return {"text": "", "output_ids": [],
-            "meta_info": {"id": rid, "finish_reason": {"type": "abort", "message": "Aborted by the client",
-                                                       "status_code": 200},
-                          "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
-                          "num_retractions": 0, "e2e_latency": 0.0, "weight_version": weight_version}}
+def _n_hints(sampling_params, k: int) -> list[int]:
+    """Each prompt's expected family size (n), read before validation (abort counts only)."""
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * k
+    out = []
+    for sp in (list(sps) + [None] * k)[:k]:
+        n = sp.get("n", 1) if isinstance(sp, dict) else getattr(sp, "n", 1)
+        out.append(n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1)
+    return out
 
 
-@dataclass
-class ReqState:
-    rid: str  # the caller's id (meta_info["id"])
-    prompt_tokens: int
-    stream: bool
-    # The scheduler's id: unique per submission, so a late output of an aborted request can
-    # never be mistaken for a new request that reuses its rid.
-    sched_rid: str = ""
-    abort_sent: bool = False
-    weight_version: str = "0"
-    start: float = field(default_factory=time.perf_counter)
-    pending: list[ReqTextOutput] = field(default_factory=list)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: dict | None = None
-    cached_tokens: int = 0
-    num_retractions: int = 0
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    input_token_logprobs: list | None = None
-    input_top_logprobs: list | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+def _expand(items: list[GenerateItem]) -> tuple[list, list[str | None]]:
+    reqs, parents = [], []
+    for item in items:
+        kids = item.expand()
+        reqs += kids
+        parents += [item.rid if item.sampling_params.n > 1 else None] * len(kids)
+    return reqs, parents
 
 
 class TokenizerManager:
@@ -105,25 +84,34 @@ class TokenizerManager:
         self.tokenizer_path: str = args.tokenizer_path or self.model_path
         # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
+        self.limits = RequestLimits.from_args(args)
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
         self.receiver = AsyncReceiver(self._actx, ports.tokenizer_input)
         self.to_scheduler = AsyncSender(self._sctx, ports.scheduler_input)
-        self.states: dict[str, ReqState] = {}
-        self._by_sched_rid: dict[str, ReqState] = {}
-        self.tokenizing: list[_Tokenizing] = []
+        self.table = RequestTable()
         self._submissions = itertools.count()
         self.paused = False
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self.model_update_lock = RWLock()
         self.weight_version = "0"
         self._num_weight_updates = 0
+        # Cache namespace of the weights now loaded: a count of updates (never reused, unlike
+        # a user-chosen version label), so KV of other weights is never matched.
+        self._weights_generation = 0
         self.memory_released = False
         self.dead: str | None = None  # set when a runtime process died
+        self.closing: str | None = None  # set when shutdown began
         self._rpc: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: asyncio.Task | None = None
         self.metrics = RuntimeMetrics()
         self.last_receive_time = time.time()
+
+    @property
+    def states(self) -> dict[str, ReqState]:
+        return self.table.states
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -159,9 +147,12 @@ class TokenizerManager:
                         fut.set_result(msg.result)
 
     def _on_output(self, o: ReqTextOutput) -> None:
-        st = self._by_sched_rid.get(o.out.rid)
+        st = self.table.by_sched.get(o.out.rid)
         if st is None:
-            return  # the caller is gone (aborted); its terminal output needs no reader
+            self.table.drop(o.out)  # answered already (aborted): nothing more is delivered
+            return
+        if o.failed:  # ended by the detokenizer: stop its generation too (once: st is done now)
+            self.to_scheduler.send(AbortReq(rids=[st.sched_rid], sent_time=time.time()))
         now = time.perf_counter()
         if o.out.new_token_ids:
             if st.first_token_time is None:
@@ -172,18 +163,40 @@ class TokenizerManager:
                 self.metrics.observe_itl((now - st.last_token_time) / n, n)
             st.last_token_time = now
         st.pending.append(o)
-        st.event.set()
+        if o.out.finish_reason is not None:
+            st.done = True
+            del self.table.by_sched[o.out.rid]
+        st.call.wake.set()
+
+    def _answer(self, st: ReqState, reason: dict) -> None:
+        """Answer `st`'s caller now (what it received so far, then `reason`)."""
+        if st.done:
+            return
+        st.done = True
+        self.table.detach(st)
+        st.pending.append(terminal_output(st, reason))
+        st.call.wake.set()
+
+    def _abort_everything(self, reason: dict, tell_scheduler: bool) -> int:
+        return self.abort_request(abort_all=True, reason=reason, tell_scheduler=tell_scheduler)
 
     def fail_all(self, message: str) -> None:
         """A runtime process died: answer every live request with a 500 abort (nothing else
         ever would) and refuse new ones, instead of leaving callers hanging."""
         self.dead = message
-        reason = {"type": "abort", "message": message, "status_code": 500}
-        for st in list(self.states.values()):
-            if not st.finished:
-                self._on_output(ReqTextOutput(ReqOutput(
-                    rid=st.sched_rid, new_token_ids=[], finish_reason=reason, prompt_tokens=st.prompt_tokens,
-                    completion_tokens=len(st.output_ids), cached_tokens=st.cached_tokens), ""))
+        self._abort_everything(abort_reason(message, 500), tell_scheduler=False)
+        self.table.draining.clear()  # nothing will ever report their end
+        self._fail_rpcs(message)
+
+    def shut_down(self, message: str) -> int:
+        """Shutdown begins: every caller, wherever its request is, gets an abort (503) now;
+        new requests are refused. Returns how many requests were answered."""
+        self.closing = message
+        n = self._abort_everything(abort_reason(message, 503), tell_scheduler=self.dead is None)
+        self._fail_rpcs(message)
+        return n
+
+    def _fail_rpcs(self, message: str) -> None:
         for fut in self._rpc.values():
             if not fut.done():
                 fut.set_exception(RuntimeError(message))
@@ -192,6 +205,8 @@ class TokenizerManager:
     async def rpc(self, req: RpcReq, timeout: float = 60.0) -> Any:
         if self.dead:
             raise RuntimeError(f"the runtime is down: {self.dead}")
+        if self.closing:
+            raise RuntimeError(self.closing)
         req.call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._rpc[req.call_id] = fut
@@ -203,10 +218,14 @@ class TokenizerManager:
 
     async def get_server_info(self) -> dict:
         info = await self.rpc(GetInfoReq())
-        # num_tokenizing_reqs: requests not yet sent to the scheduler (tokenizing, or held
-        # while paused); tests use it to know a request is held before they abort it.
+        places = self.table.places()
+        # num_tokenizing_reqs: requests not yet sent to the scheduler (tokenizing, held while
+        # paused, or waiting for the weight lock); tests use it to know a request is held.
         info.update(weight_version=self.weight_version, memory_released=self.memory_released,
-                    tokenizer_paused=self.paused, num_tokenizing_reqs=len(self.tokenizing))
+                    tokenizer_paused=self.paused,
+                    num_tokenizing_reqs=places["tokenizing"] + places[PAUSED] + places[WEIGHT_LOCK],
+                    front_end={**places, "writers_waiting": self.model_update_lock.writers_waiting,
+                               "recent_aborts": [list(a) for a in self.table.recent_aborts]})
         return info
 
     async def check_integrity(self) -> None:
@@ -224,46 +243,67 @@ class TokenizerManager:
             await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------------ abort
-    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> int:
-        """Abort by rid (plus its n > 1 children), by rid prefix, or everything; returns how many
-        requests were newly aborted. Each request is sent to the scheduler at most once; an
-        unknown or finished rid is a no-op."""
+    def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False, *,
+                      reason: dict | None = None, sent_time: float | None = None,
+                      tell_scheduler: bool = True) -> int:
+        """Abort `rid` and its own n > 1 children (never a look-alike rid), every rid starting
+        with `rid` (prefix=True), or everything. Each caller hit is answered now; returns how
+        many requests were hit. A rid that is not here (and was not just answered) leaves a
+        tombstone: the request is aborted when it arrives (TOMBSTONE_TTL_S)."""
         if not rid and not abort_all:
             logger.warning("abort_request with an empty rid and abort_all=False is ignored")
             return 0
-        msg = AbortReq(rid=rid, abort_all=abort_all, prefix=prefix)
+        reason = reason or USER_ABORT
+        sent_time = time.time() if sent_time is None else sent_time
+        early, reqs = self.table.find(rid, abort_all, prefix)
+        for call, name in early:  # still tokenizing: never sent
+            call.aborted[name] = reason
+            call.wake.set()
+        sched_rids = [st.sched_rid for st in reqs if st.sent]
+        self._answer_all(reqs, reason)
+        if tell_scheduler and abort_all:
+            self.to_scheduler.send(AbortReq(abort_all=True, sent_time=sent_time))
+        elif tell_scheduler and sched_rids:
+            self.to_scheduler.send(AbortReq(rids=sched_rids, sent_time=sent_time))
+        count = sum(call.n_hints[name] for call, name in early) + len(reqs)
+        if count == 0 and not abort_all and not prefix and self.table.tombstone(rid):
+            logger.debug("abort of %r: not here yet, kept as a tombstone", rid)
+        return count
+
+    def _answer_all(self, reqs: list[ReqState], reason: dict) -> None:
         now = time.time()
-        # requests still being tokenized are stopped before they are ever sent
-        hit_tokenizing = [t for t in self.tokenizing
-                          if not t.aborted and any(abort_matches(msg, r) for r in t.rids)]
-        for t in hit_tokenizing:
-            t.aborted = True
-            t.wake.set()
-        targets = [st for st in self.states.values()
-                   if not st.abort_sent and not st.finished and abort_matches(msg, st.rid)]
-        for st in targets:
-            st.abort_sent = True
-        if abort_all:
-            self.to_scheduler.send(AbortReq(abort_all=True, sent_time=now))
-        elif targets:
-            self.to_scheduler.send(AbortReq(rids=[st.sched_rid for st in targets], sent_time=now))
-        return len(targets) + len(hit_tokenizing)
+        for st in reqs:
+            self._answer(st, reason)
+            self.table.recent_aborts.append((st.rid, now))
+
+    def _abort_own(self, call: Call) -> None:
+        """The caller went away (closed the stream, disconnected, was cancelled): abort what
+        this call still has in the scheduler, by identity."""
+        live = [st for st in call.states if not st.done]
+        sched_rids = [st.sched_rid for st in live if st.sent]
+        self._answer_all(live, USER_ABORT)
+        if sched_rids and not self.dead:
+            self.to_scheduler.send(AbortReq(rids=sched_rids, sent_time=time.time()))
 
     # ------------------------------------------------------------------ pause
     async def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating; new requests wait here until continue_generation."""
+        """Stop generating; new requests wait here until continue_generation. While paused,
+        a weight update does not wait for the paused requests (docs/cancel_chain.md)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
         self.paused = True
+        self._unpaused.clear()
         if mode == "abort":
             self.abort_request(abort_all=True)
         await self.rpc(PauseReq(mode=mode))
+        if self.paused:  # (unless continue_generation came meanwhile)
+            self.model_update_lock.freeze_readers(True)
 
     async def continue_generation(self) -> None:
+        self.model_update_lock.freeze_readers(False)
         await self.rpc(ContinueReq())
         self.paused = False
-        for t in self.tokenizing:
-            t.wake.set()
+        self._unpaused.set()
 
     # ------------------------------------------------------------------ RL: weights and memory
     async def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True,
@@ -281,23 +321,67 @@ class TokenizerManager:
         self.model_path = model_path  # what /get_model_info reports from now on (as SGLang does)
         return res
 
-    async def _update_weights(self, req, weight_version: str | None) -> dict:
-        async with self.model_update_lock.write():  # running requests finish first
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict:
+        """Every scheduler rank joins the trainer's group (blocks until all members have)."""
+        req = InitWeightsUpdateGroupReq(master_address=master_address, master_port=int(master_port),
+                                        rank_offset=int(rank_offset), world_size=int(world_size),
+                                        group_name=group_name, backend=backend)
+        return await self._rpc_value_error(req, timeout=self.args.dist_timeout + 60)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              abort_all_requests: bool = False) -> dict:
+        """Receive the tensors the trainer broadcasts on `group_name` (it broadcasts them in this
+        order, whole; every rank keeps its shard). Waits for running requests like every update."""
+        from radixlm.srt.distributed.weight_sync import check_update_request
+        check_update_request(names, dtypes, shapes)
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
+        req = UpdateWeightsFromDistributedReq(names=list(names), dtypes=[str(d) for d in dtypes],
+                                              shapes=[list(map(int, s)) for s in shapes], group_name=group_name,
+                                              flush_cache=flush_cache)
+        return await self._update_weights(req, weight_version, timeout=self.args.dist_timeout + 600)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._rpc_value_error(DestroyWeightsUpdateGroupReq(group_name=group_name))
+
+    async def _rpc_value_error(self, req: RpcReq, timeout: float = 60.0) -> Any:
+        try:
+            return await self.rpc(req, timeout=timeout)
+        except RuntimeError as e:
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+    async def _update_weights(self, req, weight_version: str | None, timeout: float = 600) -> dict:
+        # Running requests finish first, unless paused (then they continue afterwards).
+        async with self.model_update_lock.write():
+            req.cache_namespace = f"weights:{self._weights_generation + 1}"
             try:
-                result = await self.rpc(req, timeout=600)
+                result = await self.rpc(req, timeout=timeout)
             except RuntimeError as e:
                 raise ValueError(str(e).split(": ", 1)[-1]) from None
+            self._weights_generation += 1
             self._num_weight_updates += 1
             self.weight_version = str(weight_version) if weight_version is not None \
                 else str(self._num_weight_updates)
+            for sched_rid, n_out in result.pop("live_output_lens", {}).items():
+                st = self.table.by_sched.get(sched_rid)
+                if st is not None and st.weight_versions:  # paused in the scheduler: a new segment
+                    if st.weight_versions[-1][1] == n_out:
+                        st.weight_versions[-1][0] = self.weight_version
+                    else:
+                        st.weight_versions.append([self.weight_version, n_out])
             return {**result, "weight_version": self.weight_version}
 
     def update_weight_version(self, weight_version: str) -> None:
         self.weight_version = str(weight_version)
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
         try:
-            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size))
+            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size,
+                                                      max_elements=max_elements))
         except RuntimeError as e:
             raise ValueError(str(e).split(": ", 1)[-1]) from None
 
@@ -313,149 +397,131 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
-        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len, **kw)
+        return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len,
+                                  limits=self.limits, **kw)
+
+    def _check_serving(self) -> None:
+        if self.dead:
+            raise RuntimeError(f"the runtime is down: {self.dead}")
+        if self.closing:
+            raise RuntimeError(self.closing)
+        if self.memory_released:
+            raise ValueError(MEMORY_RELEASED)
 
     async def generate_request(self, *, return_text_in_logprobs: bool = False, **kw) -> AsyncIterator:
         """Yields incremental chunks when streaming, else one final result (a dict, or a list
         for a batch or n > 1). Closing the iterator early aborts what is still running."""
-        if self.dead:
-            raise RuntimeError(f"the runtime is down: {self.dead}")
-        rids = _assign_rids(kw)
-        pending = _Tokenizing(rids)
-        self.tokenizing.append(pending)
+        self._check_serving()
+        rids, is_batch = _assign_rids(kw)
+        call = self.table.arrive(rids, _n_hints(kw.get("sampling_params"), len(rids)), is_batch)
+        admission: asyncio.Future | None = None
         try:
-            items, is_batch = await self._normalize_async(kw)
-            while self.paused and not pending.aborted:  # held here until continue_generation
-                pending.wake.clear()
-                await pending.wake.wait()
+            items = await self._tokenize(call, kw)
+            if items is None:  # every prompt was aborted while it was being tokenized
+                results = early_abort_results(rids, call.n_hints, call.aborted, self.weight_version)
+                yield results if (is_batch or len(results) > 1) else results[0]
+                return
+            reqs, parents = _expand(items)
+            self.table.register(call, reqs, parents)  # no await since arrive(): one step
+            if not call.all_answered:
+                admission = asyncio.ensure_future(self._admit(call, {r.rid: r for r in reqs}))
+            if kw.get("stream"):
+                async for chunk in self._stream(call, return_text_in_logprobs):
+                    yield chunk
+            else:
+                results = [await self._wait_final(call, st, return_text_in_logprobs) for st in call.states]
+                yield results if (is_batch or len(results) > 1) else results[0]
         finally:
-            self.tokenizing.remove(pending)
-        stream = bool(kw.get("stream"))
-        reqs = [r for item in items for r in item.expand()]
-        for r in reqs:
-            if r.rid in self.states:
-                raise ValueError(f"duplicate request id {r.rid!r}: a request with this id is running")
-        if pending.aborted:  # aborted while tokenizing: never admitted
-            results = [_aborted_result(r.rid, len(r.input_ids), self.weight_version) for r in reqs]
-            yield results if (is_batch or len(results) > 1) else results[0]
-            return
-        # The read side is held for the request's whole life: a weight update waits for it,
-        # so every request runs on one weight version from its first token to its last.
-        async with self.model_update_lock.read():
-            if self.memory_released:
-                raise ValueError("generation is unavailable: memory was released with "
-                                 "release_memory_occupation(); call resume_memory_occupation() first")
-            version = self.weight_version
-            for r in reqs:
-                st = ReqState(r.rid, len(r.input_ids), stream, sched_rid=f"{r.rid}#{next(self._submissions)}",
-                              weight_version=version)
-                self.states[r.rid] = st
-                self._by_sched_rid[st.sched_rid] = st
-            for r in reqs:
-                self.metrics.on_request(len(r.input_ids))
-                r.rid = self.states[r.rid].sched_rid
-                r.extra_key = f"weights:{version}"  # KV of other weight versions is never shared
-                self.to_scheduler.send(r)
-            user_rids = [r.rid.rsplit("#", 1)[0] for r in reqs]
-            try:
-                if stream:
-                    async for chunk in self._stream(user_rids, return_text_in_logprobs):
-                        yield chunk
-                else:
-                    results = [await self._wait_final(r, return_text_in_logprobs) for r in user_rids]
-                    yield results if (is_batch or len(results) > 1) else results[0]
-            finally:
-                unfinished = [r for r in user_rids if r in self.states and not self.states[r].finished]
-                for r in unfinished:
-                    self.abort_request(r)
-                for r in user_rids:
-                    st = self.states.pop(r, None)
-                    if st is not None:
-                        self._by_sched_rid.pop(st.sched_rid, None)
+            if admission is not None and not admission.done():
+                admission.cancel()  # cancellation-safe: a lock granted meanwhile is given back
+            self._abort_own(call)
+            if call.holds_read:
+                call.holds_read = False
+                self.model_update_lock.release_read()
+            self.table.end(call)
 
-    async def _normalize_async(self, kw: dict):
-        # Long texts are tokenized off the event loop so other requests keep flowing.
+    async def _tokenize(self, call: Call, kw: dict) -> list[GenerateItem] | None:
+        """Long texts are tokenized off the event loop so other requests keep flowing; an abort
+        of every prompt meanwhile answers the caller at once (None)."""
         prompt = kw.get("prompt")
-        size = sum(map(len, prompt)) if isinstance(prompt, list) else len(prompt or "")
+        texts = prompt if isinstance(prompt, list) else [prompt]
+        size = sum(len(t) for t in texts if isinstance(t, str))
+        kwargs = {k: v for k, v in kw.items() if k != "return_text_in_logprobs"}
         if size < TOKENIZE_INLINE_MAX_CHARS:
-            return self.normalize(**kw)
-        return await asyncio.get_running_loop().run_in_executor(None, lambda: self.normalize(**kw))
+            return self.normalize(**kwargs)[0]
+        work = asyncio.get_running_loop().run_in_executor(None, lambda: self.normalize(**kwargs))
+        while not call.all_answered:
+            waker = asyncio.ensure_future(call.wake.wait())
+            try:
+                await asyncio.wait((work, waker), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
+            if work.done():
+                return work.result()[0]
+            call.wake.clear()
+        work.add_done_callback(lambda f: f.exception())  # nobody reads it: no "never retrieved"
+        return None
 
-    async def _wait_final(self, rid: str, with_text: bool) -> dict:
-        st = self.states[rid]
+    async def _admit(self, call: Call, reqs: dict) -> None:
+        """Held while paused, then the read side of the weight lock, then the scheduler."""
+        lock = self.model_update_lock
         while True:
-            self._absorb(st)
-            if st.finished:
-                return self._result(st, with_text, full=True)
-            st.event.clear()
-            await st.event.wait()
+            if self.paused:
+                call.place = PAUSED
+                await self._unpaused.wait()
+            call.place = WEIGHT_LOCK
+            await lock.acquire_read()
+            if not self.paused:
+                break
+            lock.release_read()  # paused again while it waited for the lock
+        call.place = SENT
+        if self.memory_released:
+            lock.release_read()
+            call.fail(ValueError(MEMORY_RELEASED))
+            return
+        live = [st for st in call.states if not st.done]
+        if not live:
+            lock.release_read()
+            return
+        call.holds_read = True  # until the call ends: a request runs on one weight version,
+        version = self.weight_version  # unless a paused update moves it (weight_versions)
+        for st in live:
+            r = reqs[st.rid]
+            self.table.send(st, f"{st.rid}#{next(self._submissions)}")
+            st.weight_versions = [[version, 0]]
+            self.metrics.on_request(len(r.input_ids))
+            r.rid = st.sched_rid
+            r.extra_key = f"weights:{self._weights_generation}"  # KV of other weights is never shared
+            self.to_scheduler.send(r)
 
-    async def _stream(self, rids: list[str], with_text: bool) -> AsyncIterator[dict]:
-        index = {r: i for i, r in enumerate(rids)}
-        live = set(rids)
-        waiter = asyncio.Event()
-        for r in rids:
-            self.states[r].event = waiter
+    async def _wait_final(self, call: Call, st: ReqState, with_text: bool) -> dict:
+        while True:
+            if call.error is not None:
+                raise call.error
+            call.wake.clear()
+            absorb(st, self.metrics)
+            if st.finished:
+                return result(st, self.tokenizer, with_text, full=True, weight_version=self.weight_version)
+            await call.wake.wait()
+
+    async def _stream(self, call: Call, with_text: bool) -> AsyncIterator[dict]:
+        states = call.states
+        live = set(range(len(states)))
         while live:
-            waiter.clear()
-            for r in list(live):
-                st = self.states[r]
+            if call.error is not None:
+                raise call.error
+            call.wake.clear()
+            for i in sorted(live):
+                st = states[i]
                 if not st.pending:
                     continue
-                chunk = self._absorb(st)
-                result = self._result(st, with_text, full=False, delta=chunk)
-                if len(rids) > 1:
-                    result["index"] = index[r]
-                yield result
+                chunk = absorb(st, self.metrics)
+                out = result(st, self.tokenizer, with_text, full=False, delta=chunk,
+                             weight_version=self.weight_version)
+                if len(states) > 1:
+                    out["index"] = i
+                yield out
                 if st.finished:
-                    live.discard(r)
-            if live and not any(self.states[r].pending for r in live):
-                await waiter.wait()
-
-    def _absorb(self, st: ReqState) -> dict:
-        """Fold pending outputs into the state; return the delta they carried."""
-        text, ids, lps, tops = "", [], [], []
-        for o in st.pending:
-            out = o.out
-            text += o.new_text
-            ids.extend(out.new_token_ids)
-            lps.extend(out.output_token_logprobs)
-            tops.extend(out.output_top_logprobs)
-            st.cached_tokens = out.cached_tokens
-            st.num_retractions = out.num_retractions
-            if out.input_token_logprobs is not None and st.input_token_logprobs is None:
-                st.input_token_logprobs = out.input_token_logprobs
-                st.input_top_logprobs = out.input_top_logprobs
-            if out.finish_reason is not None:
-                st.finish_reason = out.finish_reason
-                self.metrics.on_finish(st, out)
-        st.pending.clear()
-        st.text += text
-        st.output_ids.extend(ids)
-        st.output_token_logprobs.extend(lps)
-        st.output_top_logprobs.extend(tops)
-        return {"text": text, "output_ids": ids, "lps": lps, "tops": tops}
-
-    def _with_text(self, pairs, with_text: bool):
-        if pairs is None:
-            return None
-        with_text = with_text and self.tokenizer is not None
-        return [(lp, tok, self.tokenizer.decode([tok]) if with_text else None) for lp, tok in pairs]
-
-    def _result(self, st: ReqState, with_text: bool, full: bool, delta: dict | None = None) -> dict:
-        meta = {"id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
-                "completion_tokens": len(st.output_ids), "cached_tokens": st.cached_tokens,
-                "num_retractions": st.num_retractions, "weight_version": st.weight_version,
-                "e2e_latency": time.perf_counter() - st.start}
-        lps = st.output_token_logprobs if full else delta["lps"]
-        tops = st.output_top_logprobs if full else delta["tops"]
-        if st.output_token_logprobs or st.input_token_logprobs is not None:
-            meta["output_token_logprobs"] = self._with_text(lps, with_text)
-            meta["output_top_logprobs"] = [self._with_text(t, with_text) for t in tops]
-            meta["input_token_logprobs"] = self._with_text(st.input_token_logprobs or [], with_text)
-            meta["input_top_logprobs"] = [self._with_text(t, with_text) for t in (st.input_top_logprobs or [])]
-        out = {"text": st.text if full else delta["text"],
-               "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
-        if self.tokenizer is None:
-            del out["text"]
-        return out
+                    live.discard(i)
+            if live and not any(states[i].pending for i in live):
+                await call.wake.wait()

@@ -150,12 +150,30 @@ def test_input_logprobs_from_start_survive_a_cached_prefix(engine, hf_model):
     {"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}},
     {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}},
     {"input_ids": [1, 2, 10**9]},
+    # issue 18: these crashed the scheduler or hung the detokenizer
+    {"input_ids": [1, 2], "sampling_params": {"seed": 1.5}},
+    {"input_ids": [1, 2], "sampling_params": {"seed": "abc"}},
+    {"input_ids": [1, 2], "sampling_params": {"skip_special_tokens": "no"}},
+    {"input_ids": [1, 2], "sampling_params": {"logit_bias": {"1": 3.5e38}, "temperature": 1.0}},
+    {"input_ids": [1, 2], "sampling_params": {"top_k": "5"}},
+    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}},
+    {"input_ids": [1, 2], "sampling_params": {"n": 1000}},
 ])
 def test_bad_input_raises_value_error_and_engine_keeps_serving(engine, bad):
     with pytest.raises(ValueError):
         engine.generate(**bad)
     ok = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert len(ok["output_ids"]) == 3
+
+
+def test_edge_values_the_sampler_honours(engine):
+    out = engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[
+        {"max_new_tokens": 3, "ignore_eos": True, "top_p": 1e-300, "temperature": 1.0},
+        {"max_new_tokens": 3, "ignore_eos": True, "logit_bias": {"11": 100.0}, "temperature": None}])
+    greedy = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3, "ignore_eos": True,
+                                                                    "temperature": 0})
+    assert out[0]["output_ids"] == greedy["output_ids"]  # a vanishing nucleus keeps the top token
+    assert out[1]["output_ids"] == [11, 11, 11]
 
 
 def test_server_info_and_progress_bar(engine, capsys):

@@ -170,12 +170,36 @@ def test_multibyte_outputs_were_exercised(server):
 
 def test_runtime_process_death_stops_the_server(server):
     """Last test of the module: a dead scheduler must not leave a server that hangs every
-    request; it exits non-zero and still cleans up the other child and the IPC directory."""
+    request (the crash policy, docs/error_boundary.md): requests in flight are answered with
+    a 500 at once, the server exits non-zero, and it still cleans up the other child and the
+    IPC directory, so a supervisor can restart it."""
+    import threading
+    results: dict = {}
+
+    def call(name: str, path: str, body: dict) -> None:
+        with httpx.Client(base_url=server.base, timeout=60.0) as c:
+            if body.get("stream"):
+                with c.stream("POST", path, json=body) as r:
+                    results[name] = [line for line in r.iter_lines() if line.startswith("data: ")]
+            else:
+                results[name] = c.post(path, json=body)
+    calls = [threading.Thread(target=call, args=("plain", "/v1/completions", {"prompt": "a", **LONG})),
+             threading.Thread(target=call, args=("stream", "/generate", {
+                 "text": "b", "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}))]
+    for t in calls:
+        t.start()
+    _wait_running(server, 2)
     os.kill(server.runtime["child_pids"]["scheduler"], signal.SIGKILL)
-    rc = server.proc.wait(15)
+    rc = server.proc.wait(30)
+    for t in calls:
+        t.join(30)
     assert rc != 0
-    server.stop()  # asserts: children gone, IPC dir removed
-    assert "scheduler process exited unexpectedly" in server.log()
+    server.stop(timeout=30.0)  # asserts: children gone, IPC dir removed
+    log = server.log()
+    assert "scheduler process exited unexpectedly" in log and "stopped: the scheduler process died" in log
+    assert results["plain"].status_code == 500 and "exited unexpectedly" in results["plain"].json()["error"]["message"]
+    assert results["stream"][-1] == "data: [DONE]"
+    assert json.loads(results["stream"][-2][6:])["error"]["code"] == 500
 
 
 def test_sigterm_to_the_whole_process_group_is_a_clean_stop(tiny_llama_dir, tmp_path):

@@ -10,12 +10,15 @@ A matcher here is any object with `fill_bitmask(bitmask, row)`, `accept(token) -
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
 
 from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.sampling_batch import VocabMask
+
+logger = logging.getLogger(__name__)
 
 _xgr_apply: Any = None  # xgrammar's apply kernel, resolved on first use (False: unavailable)
 _BYTE_BITS: dict[torch.device, torch.Tensor] = {}
@@ -46,15 +49,21 @@ def build_vocab_mask(matchers: Sequence[Any | None], vocab_size: int,
 
 def advance_matchers(matchers: Sequence[Any | None], tokens: Sequence[int | None]) -> list[str | None]:
     """Accept each sampled token into its row's matcher; the per-row grammar status
-    ("terminated", "rejected" or None) that BatchResult reports to the scheduler."""
+    ("terminated", "rejected", "error" or None) that BatchResult reports to the scheduler.
+    A matcher that raises is that row's "error" (the scheduler ends that request alone):
+    the other rows' matchers have advanced, so the batch must not fail as a whole."""
     status: list[str | None] = []
     for m, tok in zip(matchers, tokens):
-        if m is None or tok is None or m.terminated:
-            status.append(None)
-        elif not m.accept(int(tok)):
-            status.append("rejected")
-        else:
-            status.append("terminated" if m.terminated else None)
+        try:
+            if m is None or tok is None or m.terminated:
+                status.append(None)
+            elif not m.accept(int(tok)):
+                status.append("rejected")
+            else:
+                status.append("terminated" if m.terminated else None)
+        except Exception:  # noqa: BLE001
+            logger.exception("a grammar matcher failed to accept token %s", tok)
+            status.append("error")
     return status
 
 

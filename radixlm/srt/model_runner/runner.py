@@ -16,6 +16,9 @@ from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocat
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
 from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders, snapshot_values_needed
 from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
+from radixlm.srt.distributed.context import TPContext
+from radixlm.srt.distributed.layout import TPLayout
+from radixlm.srt.distributed.process_group import TPGroup, threads_per_rank
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
@@ -89,57 +92,137 @@ def default_attention_backend(device: str, kv_cache_dtype: str = "auto") -> str:
     return "cpu" if device == "cpu" and cpu_ops.available() else "torch_native"
 
 
+def batch_signature(batch: WorkerBatch) -> list[int]:
+    """A few numbers that differ when two ranks' batches differ (tuples of ints hash the same in
+    every process; strings would not)."""
+    mask = (1 << 62) - 1
+    return [len(batch.reqs), len(batch.input_ids), hash(tuple(batch.input_ids)) & mask,
+            hash((int(batch.is_decode), tuple(batch.prefix_lens), tuple(batch.extend_lens), tuple(batch.sample))) & mask,
+            int(batch.out_cache_loc.sum()) if batch.out_cache_loc.numel() else 0]
+
+
 class ModelRunner:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, tp: TPGroup | None = None) -> None:
+        """With `tp`, this process is one tensor-parallel rank: it holds its shard of the model
+        (srt/distributed/layout.py) and of every KV head group, and its forwards meet the
+        other ranks' in collectives."""
         from radixlm.srt.layers.int8_linear import check_quantization
         from radixlm.srt.models.registry import build_model
         from radixlm.srt.weights.loader import (iter_weights, load_model_config, resolve_dtype,
                                                 resolve_model_path)
         self.args = args
+        self.tp = tp or TPGroup.single()
         self.device = resolve_device(args.device)
         self.model_path = resolve_model_path(args.model_path)
         self.model_config = load_model_config(self.model_path)
         self.dtype = resolve_dtype(args.dtype, self.device)
-        if self.device == "cpu":
-            torch.set_num_threads(int(os.environ.get("RADIXLM_NUM_THREADS", torch.get_num_threads())))
+        if self.device == "cpu":  # ranks share the cores: each takes its part (RADIXLM_NUM_THREADS: per rank)
+            env = os.environ.get("RADIXLM_NUM_THREADS")
+            torch.set_num_threads(threads_per_rank(self.tp.size, int(env) if env else None,
+                                                   torch.get_num_threads()))
         cfg = self.model_config
-        self.model = build_model(cfg, self.dtype, self.device)
-        self.model.load_weights(iter_weights(self.model_path, cfg))
+        self.layout = TPLayout.build(cfg, self.tp.size, self.tp.rank)
+        local = self.layout.local_config(cfg)  # this rank's heads, MLP rows and vocabulary rows
+        self.model = build_model(cfg, self.dtype, self.device, TPContext(self.layout, self.tp.comm))
+        self.model.load_weights(iter_weights(self.model_path, cfg, self._shard_of))
         check_quantization(args.quantization, self.device)
         self.model.set_quantization(args.quantization)
         self.model.eval()
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = tuple(cfg.eos_token_ids)
-        self.sizes = resolve_sizes(args, cfg, self.device, self.dtype)
+        self.sizes = resolve_sizes(args, local, self.device, self.dtype)
+        if self.tp.size > 1 and args.max_total_tokens is None:
+            # Every rank must have the same KV capacity (each runs the same scheduler): the smallest.
+            total = self.tp.control.min_ints([self.sizes.max_total_tokens])[0]
+            self.sizes = resolve_sizes(args.replace(max_total_tokens=total), local, self.device, self.dtype)
         self.max_context_len = self.sizes.max_context_len
         backend = args.attention_backend
         if backend == "auto":
             backend = default_attention_backend(self.device, args.kv_cache_dtype)
         check_kv_cache_backend(args.kv_cache_dtype, backend)  # the backends check too; this spares allocating
         self.kv_pool = MHATokenToKVPool(self.sizes.max_total_tokens, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
+                                        local.num_key_value_heads, cfg.head_dim, self.dtype, self.device,
                                         kv_cache_dtype=args.kv_cache_dtype)
         self.req_to_token_pool = ReqToTokenPool(self.sizes.req_pool_size, self.max_context_len, "cpu")
         self.allocator = TokenToKVPoolAllocator(self.sizes.max_total_tokens)
         self.attention_backend_name = backend
-        self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
-                                             cfg.num_key_value_heads, cfg.head_dim)
+        self.attn = create_attention_backend(backend, self.kv_pool, local.num_attention_heads,
+                                             local.num_key_value_heads, cfg.head_dim)
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
         self.stream = ForwardStream(self.device)
         self._req_to_token_dev = self.req_to_token_pool.req_to_token
-        logger.info("model %s on %s (%s): KV capacity %d tokens (kv_cache_dtype %s), attention %s",
-                    self.model_path, self.device, self.dtype, self.sizes.max_total_tokens, args.kv_cache_dtype,
-                    backend)
+        self._weight_sync = None  # WeightSyncGroups, created by the first init_weights_update_group
+        logger.info("model %s on %s (%s): KV capacity %d tokens (kv_cache_dtype %s), attention %s, TP rank %d/%d "
+                    "(%d query / %d KV heads, %d threads)", self.model_path, self.device, self.dtype,
+                    self.sizes.max_total_tokens, args.kv_cache_dtype, backend, self.tp.rank, self.tp.size,
+                    local.num_attention_heads, local.num_key_value_heads, torch.get_num_threads())
+
+    @property
+    def _shard_of(self):
+        """This rank's part of each Hugging Face tensor, for the loaders (None: all of it)."""
+        return self.layout.shard if self.tp.size > 1 else None
 
     # ------------------------------------------------------------------ RL API
     def update_weights_from_tensor(self, named_tensors) -> int:
+        return self._update_weights(named_tensors, sharded=False)
+
+    def _update_weights(self, named_tensors, sharded: bool) -> int:
+        """All or nothing on every rank: each checks its part, the ranks agree (any rank's error
+        is raised on all), then each copies its part."""
         from radixlm.srt.model_runner.weight_updater import WeightUpdater
-        n = WeightUpdater(self.model).update(named_tensors)
+        updater = WeightUpdater(self.model)
+        plan = self.tp.control.agreed(lambda: updater.plan(named_tensors, sharded))
+        n = updater.apply(plan)
         self.model.prepare_quantized()  # re-derive the int8 copies of what was written
         return n
 
-    def update_weights_from_disk(self, model_path: str) -> int:
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str, backend: str) -> dict:
+        from radixlm.srt.distributed.weight_sync import WeightSyncGroups
+        if self._weight_sync is None:
+            self._weight_sync = WeightSyncGroups(self.tp.rank, self.device, self.args.dist_timeout)
+        sync = self._weight_sync
+        message = self.tp.control.agreed(lambda: sync.init(master_address, master_port, rank_offset, world_size,
+                                                            group_name, backend))
+        return {"success": True, "message": message}
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list[list[int]],
+                                        group_name: str) -> int:
+        """Receive every tensor the trainer broadcasts, keep this rank's shard of each, then
+        apply them all (or, if any is bad, none: the first error is raised after the last
+        broadcast, so the trainer never waits for a rank that gave up)."""
+        from radixlm.srt.distributed.weight_sync import check_update_request
         from radixlm.srt.model_runner.weight_updater import WeightUpdater
+        check_update_request(names, dtypes, shapes)
+        sync = self._weight_sync
+        if sync is None or group_name not in sync.groups:
+            raise ValueError(f"no weight update group {group_name!r}; call init_weights_update_group first")
+        updater = WeightUpdater(self.model)
+
+        def receive_and_plan():
+            plan, error = [], None
+            for name, tensor in sync.receive(names, dtypes, shapes, group_name):
+                if error is None:
+                    try:
+                        plan.extend(updater.plan([(name, tensor)]))
+                    except ValueError as e:
+                        error = e
+            if error is not None:
+                raise error
+            return plan
+
+        plan = self.tp.control.agreed(receive_and_plan)
+        n = updater.apply(plan)
+        self.model.prepare_quantized()
+        return n
+
+    def destroy_weights_update_group(self, group_name: str) -> dict:
+        sync = self._weight_sync
+        if sync is None:
+            raise ValueError(f"no weight update group {group_name!r}")
+        return {"success": True, "message": self.tp.control.agreed(lambda: sync.destroy(group_name))}
+
+    def update_weights_from_disk(self, model_path: str) -> int:
         from radixlm.srt.weights.loader import iter_weights, load_model_config, resolve_model_path
         path = resolve_model_path(model_path)
         cfg = load_model_config(path)
@@ -150,14 +233,21 @@ class ModelRunner:
         bad = [f for f in shape_fields if getattr(cfg, f) != getattr(mine, f)]
         if bad:
             raise ValueError(f"{model_path} does not match the loaded model: {', '.join(bad)} differ")
-        n = WeightUpdater(self.model).update(iter_weights(path, cfg))
-        self.model.prepare_quantized()
+        n = self._update_weights(iter_weights(path, cfg, self._shard_of), sharded=True)
         self.model_path = path
         return n
 
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        from radixlm.srt.model_runner.weight_updater import WeightUpdater
-        return WeightUpdater(self.model).get(name, truncate_size)
+    def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
+        """The first `truncate_size` rows of the whole tensor; under TP gathered from the ranks."""
+        from radixlm.srt.distributed.weight_parts import assemble
+        from radixlm.srt.model_runner.weight_updater import WeightUpdater, check_response_size
+        updater = WeightUpdater(self.model)
+        if self.tp.size == 1:
+            return updater.get(name, truncate_size, max_elements)
+        part = self.tp.control.agreed(lambda: updater.get_part(name, truncate_size, max_elements))
+        whole = assemble(self.tp.control.all_gather(part))
+        check_response_size(name, truncate_size, whole.numel(), max_elements)
+        return whole.float().tolist()
 
     def release_memory(self) -> None:
         """Free the KV pool; on a GPU also move the weights to host memory."""
@@ -179,7 +269,8 @@ class ModelRunner:
                 "max_running_requests": self.sizes.max_running_requests,
                 "chunked_prefill_size": self.sizes.chunked_prefill_size,
                 "context_length": self.max_context_len, "vocab_size": self.vocab_size,
-                "kv_pool_bytes": self.kv_pool.allocated_bytes}
+                "kv_pool_bytes": self.kv_pool.allocated_bytes, "tp_size": self.tp.size,
+                "threads_per_rank": torch.get_num_threads()}
 
     # ------------------------------------------------------------------------
     def forward(self, batch: WorkerBatch) -> BatchResult:
@@ -194,6 +285,8 @@ class ModelRunner:
             return self._launch(batch, prev)
 
     def _launch(self, batch: WorkerBatch, prev: LaunchedForward | None) -> LaunchedBatch:
+        if self.tp.size > 1:  # ranks that scheduled differently would mix their batches: stop instead
+            self.tp.comm.check_same(batch_signature(batch), "the batches launched")
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         fb = ForwardBatch.build(mode, batch.input_ids, batch.out_cache_loc,
                                 [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
@@ -256,6 +349,7 @@ class ModelRunner:
                 tokens.index_copy_(0, device_tensor(sample_idx, torch.int64, tokens.device), sampled.ids)
             if matchers:  # the host needs these tokens now: this waits for the forward
                 status: list[str | None] = [None] * n
+                batch.grammars_advanced = True
                 for i, st in zip(sample_idx, advance_matchers(matchers, sampled.ids.tolist())):
                     status[i] = st
                 ready["grammar_status"] = status

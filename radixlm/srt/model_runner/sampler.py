@@ -121,7 +121,8 @@ def _top_p_threshold(x: torch.Tensor, ps: list[float]) -> tuple[torch.Tensor, in
         # vals: each row's logits sorted descending (a prefix or all of them).
         probs = (vals - lse_).exp_()
         before = probs.cumsum(dim=-1) - probs
-        n_keep = (before < p.unsqueeze(1)).sum(dim=-1)  # >= 1: before[0] == 0
+        # >= 1 even when top_p rounds to 0 in float32 (1e-300): the most likely token stays
+        n_keep = (before < p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
         floor = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
         return floor, n_keep
 
@@ -163,7 +164,8 @@ def _inverse_cdf_draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
     block_cdf = wb.sum(dim=-1).to(torch.float64).cumsum(dim=-1)  # [r, nb]
     target = _below(u.unsqueeze(1) * block_cdf[:, -1:], block_cdf[:, -1:])
-    blk = torch.searchsorted(block_cdf, target, right=True)  # [r, 1]; its block weight > 0
+    # [r, 1]; its block weight > 0 (the clamp only matters for a NaN total, see _valid_or_argmax)
+    blk = torch.searchsorted(block_cdf, target, right=True).clamp_(max=nb - 1)
     lo = torch.where(blk > 0, block_cdf.gather(1, (blk - 1).clamp_(min=0)), torch.zeros_like(target))
     hi = block_cdf.gather(1, blk)
 
@@ -173,7 +175,22 @@ def _inverse_cdf_draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # Where target falls within [lo, hi), rescaled onto the block's own float64 total.
     frac = ((target - lo) / (hi - lo)).clamp_(0.0, 1.0)
     pos = torch.searchsorted(inner, _below(frac * inner_total, inner_total), right=True)
-    return (blk * bs + pos).squeeze(1)
+    ids = (blk * bs + pos).squeeze(1).clamp_(max=v - 1)
+    return _valid_or_argmax(ids, x, block_cdf[:, -1])
+
+
+def _valid_or_argmax(ids: torch.Tensor, x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """A row whose weights do not sum to a positive finite number (all -inf, NaN or +inf
+    logits: nothing a validated request produces, but a sampler must not index out of
+    bounds on it) takes the argmax instead of a draw."""
+    valid = torch.isfinite(total) & (total > 0)
+    if x.device.type == "cpu":  # no device to wait for: fix only the rows that need it
+        if bool(valid.all()):
+            return ids
+        bad = (~valid).nonzero().squeeze(1)
+        ids[bad] = x.index_select(0, bad).nan_to_num(nan=float("-inf")).argmax(dim=-1)
+        return ids
+    return torch.where(valid, ids, x.nan_to_num(nan=float("-inf")).argmax(dim=-1))
 
 
 def _below(a: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -357,7 +374,9 @@ class Sampler:
             top_p = device_tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params],
                                   torch.float32, dev).unsqueeze(1)
             probs = (vals - torch.logsumexp(vals, dim=-1, keepdim=True)).exp_()
-            vals.masked_fill_(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+            outside = probs.cumsum(dim=-1) - probs >= top_p
+            outside[:, 0] = False  # the most likely token is always in the nucleus (top_p -> 0)
+            vals.masked_fill_(outside, float("-inf"))
         if any(p.min_p > 0.0 for p in params):
             self.stats.min_p_rows += sum(p.min_p > 0.0 for p in params)
             log_min_p = device_tensor([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params],

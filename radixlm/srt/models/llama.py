@@ -3,6 +3,12 @@
 Inference only. q/k/v and gate/up are fused into single matrices for fewer, larger
 GEMMs; load_weights maps the Hugging Face names (q_proj, k_proj, ...) onto row ranges
 of the fused matrices.
+
+Under tensor parallelism (srt/distributed/) a model holds one rank's shard: its KV-head
+groups, its part of the MLP and of the vocabulary (`TPContext.layout`); o_proj and
+down_proj are row-parallel, their outputs all-reduced; the embedding and the LM head are
+vocabulary-parallel. Weights arrive already cut to the shard (the loader reads only the
+shard; `hf_shard` says which part of each Hugging Face tensor that is).
 """
 from __future__ import annotations
 
@@ -12,6 +18,9 @@ import torch
 from torch import nn
 
 from radixlm.config import ModelConfig
+from radixlm.srt.distributed import vocab_parallel
+from radixlm.srt.distributed.context import TPContext
+from radixlm.srt.distributed.layout import Shard
 from radixlm.srt.layers.activation import GatedMLP
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 from radixlm.srt.layers.linear import Embedding, Linear, Packed, linear_packed, pack_for
@@ -22,9 +31,11 @@ from radixlm.srt.model_runner.forward_batch import ForwardBatch
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPContext) -> None:
+        """`config` holds this rank's shapes (TPLayout.local_config)."""
         super().__init__()
         self.layer_id = layer_id
+        self.tp = tp.comm
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -33,7 +44,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         qkv_bias = config.attention_bias
         # HF Llama's attention_bias also puts a bias on o_proj; Qwen2 has q/k/v biases only.
-        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        # Row-parallel: rank 0 alone adds the bias (once, to the sum).
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM" and tp.rank == 0
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
 
@@ -46,14 +58,15 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         o = attn.forward(q, k, v, self.layer_id, fb, self.scale)
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj.forward(o.reshape(t, self.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPContext) -> None:
         super().__init__()
+        self.tp = tp.comm
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, dtype)
+        self.self_attn = LlamaAttention(config, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
@@ -68,29 +81,32 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm.forward(hidden, residual)
         hidden = self.self_attn.forward(hidden, rope, fb, attn)
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
-        return self.mlp.forward(hidden), residual
+        return self.tp.all_reduce(self.mlp.forward(hidden)), residual  # down_proj is row-parallel
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPContext) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp or TPContext.single(config)
+        # This rank's shapes: its heads, MLP rows and vocabulary rows (all of them on one rank).
+        self.local_config = local = self.tp.layout.local_config(config)
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype)
+        self.model = LlamaModel(local, dtype, self.tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling)
         if config.tie_word_embeddings:
             self.lm_head = None  # logits reuse embed_tokens.weight
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, local.vocab_size, dtype=dtype)
         # Prepacked (oneDNN) copy of a tied LM head; see layers/linear.py. Untied heads are a
         # Linear and pack themselves.
         self._tied_head_packed: Packed | None = None
@@ -133,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of every token in the flat batch."""
-        hidden = self.model.embed_tokens.forward(fb.input_ids)
+        hidden = vocab_parallel.embed(fb.input_ids, self.model.embed_tokens.weight, self.tp.layout.vocab, self.tp.comm)
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.
         rope = BatchRope.build(self.rotary, fb.positions, hidden.dtype, max_len)
@@ -146,9 +162,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> float32 [n, vocab]."""
+        """[n, hidden] -> float32 [n, vocab] (the whole vocabulary on every rank)."""
+        return vocab_parallel.gather_logits(self._shard_logits(hidden), self.tp.layout.vocab_spans, self.tp.comm)
+
+    def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head.forward(hidden).float()
         weight = self.model.embed_tokens.weight
         if self.quantization is not None:
             return int8_linear(hidden, self._tied_head_int8_weight(), None, torch.float32)
@@ -172,9 +191,14 @@ class LlamaForCausalLM(nn.Module):
             module.invalidate_packed()
 
     # ---- weights ----
+    def hf_shard(self, name: str) -> Shard | None:
+        """The part of the full Hugging Face tensor `name` this rank holds (None: all of it)."""
+        return self.tp.layout.shard(name)
+
     def _param_target(self, name: str) -> tuple[str, int, int] | None:
-        """HF name -> (our parameter name, row offset, row count); None = ignore the tensor."""
-        cfg = self.config
+        """HF name (of this rank's shard) -> (our parameter name, row offset, row count); None =
+        ignore the tensor."""
+        cfg = self.local_config
         if name.endswith("rotary_emb.inv_freq"):
             return None  # old checkpoints store the (recomputed) rope table
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

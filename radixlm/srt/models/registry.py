@@ -6,6 +6,7 @@ from torch import nn
 
 from radixlm.config import ModelConfig
 from radixlm.registry import Registry
+from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
@@ -14,11 +15,13 @@ MODEL_ARCHS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
 MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
 
 
-def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """An unloaded model (parameters allocated with torch.empty, no init) on `device`."""
+def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+                tp: TPContext | None = None) -> nn.Module:
+    """An unloaded model (parameters allocated with torch.empty, no init) on `device`; with
+    `tp`, the shard of one tensor-parallel rank."""
     cls = MODEL_ARCHS.get(model_config.architecture)
     with torch.device(device):
-        model = cls(model_config, dtype)
+        model = cls(model_config, dtype, tp)
     return model.eval()
 
 

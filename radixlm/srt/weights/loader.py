@@ -7,6 +7,7 @@ SmolLM2 costs ~3.5 s (reader + numpy), reading the cache ~0.3 s.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -17,8 +18,8 @@ import torch
 from radixlm.config import ModelConfig
 from radixlm.kernels.cpu.cpuinfo import cpu_flags
 from radixlm.srt.weights.gguf_loader import gguf_cache_dir, gguf_model_config, iter_gguf_weights
-from radixlm.srt.weights.safetensors_loader import (hf_model_config, iter_hf_weights, iter_safetensors_file,
-                                                   save_safetensors_atomic)
+from radixlm.srt.weights.safetensors_loader import (ShardOf, hf_model_config, iter_hf_weights,
+                                                   iter_safetensors_file, save_safetensors_atomic, take_shards)
 from radixlm.srt.weights.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "default_model_path", "resolve_model_path",
@@ -67,39 +68,50 @@ def load_model_config(path: str) -> ModelConfig:
     raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
-def iter_weights(path: str, model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face state-dict name, tensor) pairs; tensors are CPU, any float dtype."""
+def iter_weights(path: str, model_config: ModelConfig, shard_of: ShardOf | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face state-dict name, tensor) pairs; tensors are CPU, any float dtype.
+    With `shard_of` (a tensor-parallel rank's TPLayout.shard), only that rank's part of each
+    tensor: safetensors (and the GGUF cache) are read by slice, so a rank never holds more
+    than its shard plus, for .bin or an uncached GGUF, one full tensor at a time."""
     if os.path.isdir(path):
-        yield from iter_hf_weights(path)
+        yield from iter_hf_weights(path, shard_of)
         return
     if not is_gguf(path):
         raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
     cached = _gguf_weights_cache(path, model_config)
     if cached is not None:
-        yield from iter_safetensors_file(cached)
+        yield from iter_safetensors_file(cached, shard_of)
     else:
-        yield from iter_gguf_weights(path, model_config)
+        yield from take_shards(iter_gguf_weights(path, model_config), shard_of)
 
 
 def _gguf_weights_cache(path: str, model_config: ModelConfig) -> str | None:
-    """Path of the dequantized safetensors copy, creating it if needed; None if unwritable."""
+    """Path of the dequantized safetensors copy, creating it if needed; None if unwritable.
+    Processes starting together (tensor-parallel ranks, several servers) serialize on a lock
+    file: one dequantizes, the others then read its cache."""
     cache_file = os.path.join(gguf_cache_dir(path), "model.safetensors")
     if os.path.isfile(cache_file) and _cache_valid(cache_file):
         return cache_file
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+        lock = open(cache_file + ".lock", "a")
     except OSError as e:
         logger.warning("weights cache disabled (%s); dequantizing %s on every start", e, path)
         return None
-    # Dequantize everything (~0.5 GB float32 for 135M params) and write it once; from
-    # then on loading is a memory-mapped read.
-    tensors = dict(iter_gguf_weights(path, model_config))
-    try:
-        save_safetensors_atomic(tensors, cache_file, {"radixlm_cache_format": _CACHE_FORMAT,
-                                                      "source": os.path.basename(path)})
-    except OSError as e:
-        logger.warning("could not write weights cache %s: %s", cache_file, e)
-        return None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(cache_file) and _cache_valid(cache_file):
+            return cache_file  # another process wrote it while this one waited
+        # Dequantize everything (~0.5 GB float32 for 135M params) and write it once; from
+        # then on loading is a memory-mapped read.
+        tensors = dict(iter_gguf_weights(path, model_config))
+        try:
+            save_safetensors_atomic(tensors, cache_file, {"radixlm_cache_format": _CACHE_FORMAT,
+                                                          "source": os.path.basename(path)})
+        except OSError as e:
+            logger.warning("could not write weights cache %s: %s", cache_file, e)
+            return None
     return cache_file
 
 

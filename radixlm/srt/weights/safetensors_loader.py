@@ -4,11 +4,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from radixlm.config import ModelConfig
+from radixlm.srt.distributed.layout import Shard
+
+# Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
+ShardOf = Callable[[str], Shard | None]
 
 # Architectures with the Llama layout; Qwen2 differs only by q/k/v biases.
 HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -84,23 +88,42 @@ def weight_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors_file(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_file(path: str, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file; with `shard_of`, only the part of each that it names (read
+    through safetensors slices, so the rest is never copied out of the file)."""
     from safetensors import safe_open
 
     # safe_open memory-maps the file: each get_tensor is one copy straight into RAM.
     with safe_open(path, framework="pt", device="cpu") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name)
+            shard = shard_of(name) if shard_of is not None else None
+            if shard is None:
+                yield name, f.get_tensor(name)
+            elif shard.held:
+                part = f.get_slice(name)
+                index = (slice(None),) * shard.dim + (slice(shard.start, shard.stop),)
+                yield name, part[index]
 
 
-def iter_hf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_dir: str, shard_of: ShardOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     for path in weight_files(model_dir):
         if path.endswith(".safetensors"):
-            yield from iter_safetensors_file(path)
+            yield from iter_safetensors_file(path, shard_of)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
+            yield from take_shards(state.items(), shard_of)
             del state
+
+
+def take_shards(named: Iterable[tuple[str, torch.Tensor]], shard_of: ShardOf | None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cut full tensors to the parts `shard_of` names (copies, so the full ones can be freed)."""
+    for name, tensor in named:
+        shard = shard_of(name) if shard_of is not None else None
+        if shard is None:
+            yield name, tensor
+        elif shard.held:
+            yield name, tensor.narrow(shard.dim, shard.start, shard.stop - shard.start).clone()
 
 
 def save_safetensors_atomic(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,6 +29,10 @@ class FakeRunner:
         self.kv = torch.full((capacity + 1,), EMPTY, dtype=torch.int64)
         self.forward_calls: list[WorkerBatch] = []
         self.tokens_computed = 0
+        # Fault injection (error-boundary tests): called with every batch; raising fails it,
+        # in the forward (fail_forward) or when its result is read (fail_result).
+        self.fail_forward: Callable[[WorkerBatch], None] | None = None
+        self.fail_result: Callable[[WorkerBatch], None] | None = None
 
     @staticmethod
     def next_token(seq: list[int], vocab: int) -> int:
@@ -45,10 +50,12 @@ class FakeRunner:
             fill_snapshots(batch, prev.result().next_token_ids)
         result = self.forward(batch)
         ids = torch.tensor([-1 if t is None else t for t in result.next_token_ids], dtype=torch.int64)
-        return DoneForward(batch, ids, result, start, time.perf_counter())
+        return DoneForward(batch, ids, result, start, time.perf_counter(), self.fail_result)
 
     def forward(self, batch: WorkerBatch) -> BatchResult:
         assert batch.placeholder_source is None or min(batch.input_ids) >= 0, "unresolved placeholder"
+        if self.fail_forward is not None:
+            self.fail_forward(batch)
         self.forward_calls.append(batch)
         pos = 0
         n = len(batch.reqs)
@@ -75,6 +82,7 @@ class FakeRunner:
                 if matcher is not None and not matcher.terminated:
                     # like the real runner: constrain, then advance the matcher at once
                     next_ids[i] = matcher.constrain(next_ids[i], self.vocab_size)
+                    batch.grammars_advanced = True
                     ok = matcher.accept(next_ids[i])
                     grammar_status[i] = "rejected" if not ok else "terminated" if matcher.terminated else None
         logprobs = [-1.0 if r.return_logprob else None for r in batch.reqs]
@@ -93,8 +101,11 @@ class DoneForward:
     _result: BatchResult
     start: float
     end: float
+    fail: Callable[[WorkerBatch], None] | None = None
 
     def result(self) -> BatchResult:
+        if self.fail is not None:
+            self.fail(self.batch)
         return self._result
 
     def span(self) -> tuple[float, float]:

@@ -207,13 +207,18 @@ def test_abort_in_each_place_gives_one_terminal_output(where):
     h.assert_idle_and_conserved()
 
 
-def test_abort_matches_children_not_lookalikes():
+@pytest.mark.parametrize("msg,hit", [
+    (AbortReq(rid="job"), {"job"}),  # exact: the shape of a rid never makes a family
+    (AbortReq(rid="job", prefix=True), {"job", "job_0", "job_1", "jobs", "job_x"}),
+    (AbortReq(rids=["job_0", "jobs"]), {"job_0", "jobs"}),  # exact rids (how the front end sends families)
+])
+def test_abort_names_exact_rids_or_an_explicit_prefix(msg, hit):
     h = make_harness()
     ids = [h.submit(_prompt(5, 16), rid=r, max_new_tokens=5) for r in ("job", "job_0", "job_1", "jobs", "job_x")]
-    h.scheduler.abort(AbortReq(rid="job"))
+    h.scheduler.abort(msg)
     h.run()
     kinds = {r: h.final(r).finish_reason["type"] for r in ids}
-    assert kinds == {"job": "abort", "job_0": "abort", "job_1": "abort", "jobs": "length", "job_x": "length"}
+    assert kinds == {r: "abort" if r in hit else "length" for r in ids}
 
 
 def test_flush_cache_only_when_idle():

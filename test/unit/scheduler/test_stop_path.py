@@ -237,8 +237,8 @@ def test_storm_of_random_aborts_with_retractions_and_families():
         roll = rng.random()
         if roll < 0.15 and live:
             h.scheduler.abort(AbortReq(rid=rng.choice(live)))
-        elif roll < 0.18 and family:
-            h.scheduler.abort(AbortReq(rid=rid))  # the whole family by its parent rid
+        elif roll < 0.18 and family:  # the whole family, as the front end names it: its exact rids
+            h.scheduler.abort(AbortReq(rids=[f"{rid}_{c}" for c in range(3)]))
         elif roll < 0.185:
             h.scheduler.abort(AbortReq(abort_all=True))
     h.run()

@@ -129,3 +129,19 @@ def test_backend_reports_clean_errors(backend):
         with pytest.raises(ValueError) as e:
             backend.compile(kind, spec)
         assert not str(e.value).startswith("["), str(e.value)  # C++ location prefix stripped
+
+
+def test_a_matcher_that_raises_is_that_rows_error_only():
+    class Boom:
+        terminated = False
+
+        def accept(self, token):
+            raise RuntimeError("matcher broke")
+
+    class Ok:
+        terminated = False
+
+        def accept(self, token):
+            self.terminated = True
+            return True
+    assert bm.advance_matchers([Ok(), Boom(), None], [1, 2, 3]) == ["terminated", "error", None]

@@ -1,0 +1,265 @@
+"""Abort latency, caller side and KV side; prints one JSON object (docs/cancel_chain.md).
+
+    python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 40] [--out FILE]
+
+For overlap off and on, `--batch` streaming requests decode at once; one at a time, a live
+one is stopped (and replaced, so the batch stays full), from three entries:
+- engine_abort:     Engine.abort_request(rid) from the caller's thread;
+- http_abort:       POST /abort_request to a `radixlm serve` subprocess;
+- http_disconnect:  the client closes the stream's socket.
+Measured from the moment of the abort call (or of the close), wall clock, one machine:
+- answer_ms: until the caller holds its terminal answer (the final chunk). A disconnected
+  client holds nothing: there it is until the front end accepted the abort (the request
+  answered and detached; `front_end.recent_aborts`);
+- kv_release_ms: until the scheduler returned the request's KV (`recent_cancels`, recorded
+  where the release happens, after every batch holding the request resolved).
+The decode step length (`step_ms`, median time between a stream's chunks) is reported next
+to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+
+from benchmark.common import emit
+
+
+def pct(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    s = sorted(xs)
+    return {"n": len(s), "p50": round(s[len(s) // 2] * 1e3, 2),
+            "p99": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 2), "max": round(s[-1] * 1e3, 2)}
+
+
+def prompt(rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab - 1) for _ in range(rng.randrange(16, 48))]
+
+
+def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
+    """release wall time - abort time, for the rids of `t0` (scheduler rids are rid#n)."""
+    out = []
+    for sched_rid, _sent, released in info.get("recent_cancels", []):  # (absent before issue 17)
+        rid = sched_rid.rsplit("#", 1)[0]
+        if rid in t0:
+            out.append(released - t0[rid])
+    return out
+
+
+# ---------------------------------------------------------------------------- Engine
+def run_engine(args, overlap: bool) -> dict:
+    """The caller is an asyncio program (as RL frameworks are): streams via async_generate."""
+    from radixlm import Engine
+
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=args.model_path, dtype=args.dtype, enable_overlap_schedule=overlap,
+                disable_overlap_schedule=not overlap) as eng:
+        vocab = eng.tokenizer_manager.vocab_size
+        rng = random.Random(1)
+        eng.generate(input_ids=prompt(rng, vocab), sampling_params={"max_new_tokens": 2})  # warm-up
+        t0: dict[str, float] = {}
+        answer: list[float] = []
+        gaps: list[float] = []
+        live: dict[str, bool] = {}  # rid -> streaming started
+
+        async def consume(rid: str) -> None:
+            last = None
+            stream = await eng.async_generate(input_ids=prompt(random.Random(rid), vocab), sampling_params=params,
+                                              rid=rid, stream=True)
+            async for chunk in stream:
+                now = time.time()
+                if last is not None and chunk["output_ids"] and rid not in t0:
+                    gaps.append((now - last) / len(chunk["output_ids"]))
+                last = now
+                live[rid] = True
+                if chunk["meta_info"]["finish_reason"] is not None and rid in t0:
+                    answer.append(now - t0[rid])
+            live.pop(rid, None)
+
+        async def go() -> None:
+            tasks = []
+
+            def launch(i: int) -> None:
+                rid = f"e{int(overlap)}-{i}"
+                live[rid] = False
+                tasks.append(asyncio.ensure_future(consume(rid)))
+            for i in range(args.batch):
+                launch(i)
+            for k in range(args.aborts):
+                await asyncio.sleep(rng.uniform(0.5, 1.5) * args.interval)
+                ready = [r for r, started in live.items() if started and r not in t0]
+                if not ready:
+                    continue
+                rid = rng.choice(ready)
+                t0[rid] = time.time()
+                eng.abort_request(rid)
+                launch(args.batch + k)
+            eng.abort_request(abort_all=True)
+            await asyncio.gather(*tasks)
+        asyncio.run(go())
+        time.sleep(0.5)
+        info = eng.get_server_info()
+        return {"engine_abort": {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))},
+                "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
+
+
+# ---------------------------------------------------------------------------- HTTP
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args, overlap: bool) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", args.dtype, "--enable-overlap-schedule" if overlap else "--disable-overlap-schedule"]
+        if args.model_path:
+            cmd += ["--model-path", args.model_path]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import httpx
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the server exited"
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server not ready")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Stream:
+    """One streaming POST /generate on a raw socket, read by a thread."""
+
+    def __init__(self, server: Server, rid: str, body: dict, on_event) -> None:
+        payload = json.dumps(body).encode()
+        self.sock = socket.create_connection(("127.0.0.1", server.port))
+        self.sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        self.rid, self.on_event, self.started = rid, on_event, threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        buf = b""
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                while b"\n\n" in buf:
+                    block, buf = buf.split(b"\n\n", 1)
+                    line = block.split(b"data: ", 1)[-1]
+                    if line.startswith(b"{"):
+                        self.started.set()
+                        self.on_event(self.rid, json.loads(line))
+        except OSError:
+            return  # closed by us (a disconnect)
+
+
+def run_http(args, overlap: bool) -> dict:
+    srv = Server(args, overlap)
+    try:
+        vocab = srv.http.get("/get_model_info").json()["vocab_size"]
+        return {entry: run_entry(args, srv, entry, overlap, vocab) for entry in ("http_abort", "http_disconnect")}
+    finally:
+        srv.stop()
+
+
+def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
+    rng = random.Random(2)
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    t0: dict[str, float] = {}
+    answer: list[float] = []
+    live: dict[str, Stream] = {}
+    lock = threading.Lock()
+
+    def on_event(rid: str, ev: dict) -> None:
+        if (ev.get("meta_info") or {}).get("finish_reason") is not None:
+            with lock:
+                if rid in t0 and entry == "http_abort":
+                    answer.append(time.time() - t0[rid])
+                live.pop(rid, None)
+
+    def launch(i: int) -> None:
+        rid = f"{entry}{int(overlap)}-{i}"
+        body = {"input_ids": prompt(random.Random(rid), vocab), "rid": rid, "stream": True,
+                "sampling_params": params}
+        with lock:
+            live[rid] = Stream(srv, rid, body, on_event)
+
+    for i in range(args.batch):
+        launch(i)
+    for k in range(args.aborts):
+        time.sleep(rng.uniform(0.5, 1.5) * args.interval)
+        with lock:
+            ready = [s for s in live.values() if s.started.is_set()]
+        if not ready:
+            continue
+        s = rng.choice(ready)
+        t0[s.rid] = time.time()
+        if entry == "http_abort":
+            srv.http.post("/abort_request", json={"rid": s.rid})
+        else:
+            s.sock.shutdown(socket.SHUT_RDWR)  # (a bare close() waits for the reader's recv)
+            s.sock.close()
+            with lock:
+                live.pop(s.rid, None)
+        launch(args.batch + k)
+    srv.http.post("/abort_request", json={"abort_all": True})
+    time.sleep(0.5)
+    info = srv.http.get("/get_server_info").json()
+    if entry == "http_disconnect":
+        accepted = {rid: t for rid, t in info.get("front_end", {}).get("recent_aborts", [])}
+        answer = [accepted[r] - t for r, t in t0.items() if r in accepted]
+    return {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=8, help="streams decoding at once")
+    ap.add_argument("--aborts", type=int, default=40, help="aborts per entry and mode")
+    ap.add_argument("--interval", type=float, default=0.3, help="mean seconds between aborts")
+    ap.add_argument("--output-len", type=int, default=2000, help="long enough that only aborts end requests")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-http", action="store_true")
+    args = ap.parse_args()
+    result: dict = {"workload": vars(args)}
+    for overlap in (False, True):
+        mode = {**run_engine(args, overlap)}
+        if not args.no_http:
+            mode.update(run_http(args, overlap))
+        result["overlap_on" if overlap else "overlap_off"] = mode
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The caller's view of a request: outputs folded into its ReqState, and the result dicts
+(`text`, `output_ids`, `meta_info`) the Engine and the native HTTP routes return."""
+from __future__ import annotations
+
+import time
+
+from radixlm.srt.request_table import ReqState
+
+
+def absorb(st: ReqState, metrics=None) -> dict:
+    """Fold pending outputs into the state; return the delta they carried."""
+    text, ids, lps, tops = "", [], [], []
+    for o in st.pending:
+        out = o.out
+        text += o.new_text
+        ids.extend(out.new_token_ids)
+        lps.extend(out.output_token_logprobs)
+        tops.extend(out.output_top_logprobs)
+        st.cached_tokens = out.cached_tokens
+        st.num_retractions = out.num_retractions
+        if out.input_token_logprobs is not None and st.input_token_logprobs is None:
+            st.input_token_logprobs = out.input_token_logprobs
+            st.input_top_logprobs = out.input_top_logprobs
+        if out.finish_reason is not None:
+            st.finish_reason = out.finish_reason
+            if metrics is not None:
+                metrics.on_finish(st, out)
+    st.pending.clear()
+    st.text += text
+    st.output_ids.extend(ids)
+    st.output_token_logprobs.extend(lps)
+    st.output_top_logprobs.extend(tops)
+    return {"text": text, "output_ids": ids, "lps": lps, "tops": tops}
+
+
+def _with_text(tokenizer, pairs, with_text: bool):
+    if pairs is None:
+        return None
+    with_text = with_text and tokenizer is not None
+    return [(lp, tok, tokenizer.decode([tok]) if with_text else None) for lp, tok in pairs]
+
+
+def result(st: ReqState, tokenizer, with_text: bool, full: bool, delta: dict | None = None,
+           weight_version: str = "0") -> dict:
+    """The whole result (`full`) or one streamed chunk (`delta` from absorb)."""
+    segments = [list(s) for s in st.weight_versions] or [[weight_version, 0]]
+    meta = {"id": st.rid, "finish_reason": st.finish_reason, "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": len(st.output_ids), "cached_tokens": st.cached_tokens,
+            "num_retractions": st.num_retractions, "weight_version": segments[-1][0],
+            "weight_versions": segments, "e2e_latency": time.perf_counter() - st.start}
+    lps = st.output_token_logprobs if full else delta["lps"]
+    tops = st.output_top_logprobs if full else delta["tops"]
+    if st.output_token_logprobs or st.input_token_logprobs is not None:
+        meta["output_token_logprobs"] = _with_text(tokenizer, lps, with_text)
+        meta["output_top_logprobs"] = [_with_text(tokenizer, t, with_text) for t in tops]
+        meta["input_token_logprobs"] = _with_text(tokenizer, st.input_token_logprobs or [], with_text)
+        meta["input_top_logprobs"] = [_with_text(tokenizer, t, with_text) for t in (st.input_top_logprobs or [])]
+    out = {"text": st.text if full else delta["text"],
+           "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
+    if tokenizer is None:  # --skip-tokenizer-init: ids only, as SGLang answers
+        del out["text"]
+    return out
+
+
+def early_abort_results(rids: list[str], n_hints: dict[str, int], reasons: dict[str, dict],
+                        weight_version: str) -> list[dict]:
+    """Results of a call aborted in full before its prompts were tokenized."""
+    out = []
+    for rid in rids:
+        n = n_hints.get(rid, 1)
+        for name in ([rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]):
+            out.append({"text": "", "output_ids": [],
+                        "meta_info": {"id": name, "finish_reason": reasons[rid], "prompt_tokens": 0,
+                                      "completion_tokens": 0, "cached_tokens": 0, "num_retractions": 0,
+                                      "weight_version": weight_version,
+                                      "weight_versions": [[weight_version, 0]], "e2e_latency": 0.0}})
+    return out
