@@ -19,28 +19,41 @@ from radixlm.srt.model_runner.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the native CPU kernels did not build")
 K = 6
+_next_slot = [1]  # KV slots handed out by this test (slot 0 is the padding slot); never freed
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def runner(request: pytest.FixtureRequest, tiny_llama_dir: str) -> ModelRunner:
-    return ModelRunner(ServerArgs.from_kwargs(model_path=tiny_llama_dir, dtype=request.param, max_total_tokens=1024,
-                                              attention_backend="cpu"))
+    args = ServerArgs.from_kwargs(model_path=tiny_llama_dir, dtype=request.param, max_total_tokens=1024,
+                                  attention_backend="cpu")
+    _next_slot[0] = 1  # a fresh KV pool
+    # The scheduler redesign (branch i19) hands the runner a RunnerConfig; main a ServerArgs.
+    return ModelRunner(args.runner_config() if hasattr(args, "runner_config") else args)
+
+
+def _table(r: ModelRunner) -> torch.Tensor:
+    # i19: the runner owns the bare table; main: inside its ReqToTokenPool.
+    return r.req_to_token if hasattr(r, "req_to_token") else r.req_to_token_pool.req_to_token
 
 
 @torch.inference_mode()
 def forward(r: ModelRunner, mode: ForwardMode, rows: list[tuple[list[int], int, int]]) -> torch.Tensor:
-    """Logits of every position of rows (input ids, request slot, prefix length); the rows'
-    KV slots are allocated here and never freed (the runner is the test's alone)."""
+    """Logits of every position of rows (input ids, request slot, prefix length); each row's
+    new tokens get fresh KV slots, written into the request-to-token table here (the runner is
+    the test's alone: no cache manager)."""
+    table = _table(r)
     ids, locs, slots, prefixes, lens = [], [], [], [], []
     for toks, slot, prefix in rows:
-        loc = r.allocator.alloc(len(toks))
-        r.req_to_token_pool.req_to_token[slot, prefix:prefix + len(toks)] = loc
+        loc = torch.arange(_next_slot[0], _next_slot[0] + len(toks), dtype=torch.int64)
+        _next_slot[0] += len(toks)
+        assert _next_slot[0] <= 1024, "the test ran out of KV slots"
+        table[slot, prefix:prefix + len(toks)] = loc
         ids += toks
         locs.append(loc)
         slots.append(slot)
         prefixes.append(prefix)
         lens.append(len(toks))
-    fb = ForwardBatch.build(mode, ids, torch.cat(locs), slots, prefixes, lens, r.req_to_token_pool.req_to_token, "cpu")
+    fb = ForwardBatch.build(mode, ids, torch.cat(locs), slots, prefixes, lens, table, "cpu")
     r.attn.init_forward_metadata(fb)
     return r.model.compute_logits(r.model.forward(fb, r.attn)).float()
 
