@@ -1,7 +1,7 @@
 """How often n-gram drafts would be accepted, with no model: the real continuation stands in for
 the target's greedy output.
 
-    python benchmark/micro/ngram_acceptance.py [--num-draft-tokens 4 8] [--max-files 6]
+    python benchmark/micro/ngram_acceptance.py [--num-draft-tokens 4 8] [--max-files 6] [--measure-cost 1 32]
 
 Each workload is a list of (prompt, continuation) texts built from this repository's own files,
 tokenized with the default model's tokenizer (SmolLM2). For every request the drafter proposes
@@ -166,6 +166,42 @@ def index_bytes_per_entry(seqs: list[list[int]], cfg: NgramConfig) -> float:
     return round(used / max(1, len(d.index)), 1)
 
 
+def measure_extra_token_cost(batch: int, k: int, dtype: str, repeats: int = 5) -> dict:
+    """Forward + LM head wall time of a decode step (batch rows x 1 token) and of a verify step
+    (batch rows x (k + 1) tokens, cpu backend) on the default model; their ratio gives the cost
+    of one verified token relative to a decode step: (t_verify / t_decode - 1) / k."""
+    import torch
+
+    from radixlm.config import ServerArgs
+    from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+    from radixlm.srt.model_runner.runner import ModelRunner
+
+    args = ServerArgs(model_path=None, dtype=dtype, attention_backend="cpu", max_total_tokens=16384)
+    r = ModelRunner(args.runner_config() if hasattr(args, "runner_config") else args)
+    table = r.req_to_token if hasattr(r, "req_to_token") else r.req_to_token_pool.req_to_token
+    prompt_len = 256
+    # Fixed slots: every request's prompt KV, then room for the step's tokens (values do not matter).
+    for b in range(batch):
+        table[b, :prompt_len + k + 1] = torch.arange(1 + b * (prompt_len + k + 1), 1 + (b + 1) * (prompt_len + k + 1))
+
+    @torch.inference_mode()
+    def step(n: int) -> float:
+        mode = ForwardMode.DECODE if n == 1 else ForwardMode.EXTEND
+        loc = torch.cat([table[b, prompt_len:prompt_len + n] for b in range(batch)])
+        ids = [(101 * b + 7 * j) % 40000 + 100 for b in range(batch) for j in range(n)]
+        fb = ForwardBatch.build(mode, ids, loc, list(range(batch)), [prompt_len] * batch, [n] * batch, table, "cpu")
+        t0 = time.perf_counter()
+        r.attn.init_forward_metadata(fb)
+        r.model.compute_logits(r.model.forward(fb, r.attn))
+        return time.perf_counter() - t0
+
+    step(1), step(k + 1)  # warm-up
+    t_dec = min(step(1) for _ in range(repeats))
+    t_ver = min(step(k + 1) for _ in range(repeats))
+    return {"batch": batch, "k": k, "dtype": dtype, "decode_ms": round(1e3 * t_dec, 2),
+            "verify_ms": round(1e3 * t_ver, 2), "extra_token_cost": round((t_ver / t_dec - 1) / k, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4, 8])
@@ -174,11 +210,18 @@ def main() -> None:
     ap.add_argument("--max-files", type=int, default=6)
     ap.add_argument("--extra-token-cost", type=float, default=0.2,
                     help="cost of one more verified token relative to a decode step (for est_speedup and "
-                         "the adaptive mode; measure it with the model: about 0.2 for one stream on CPU)")
+                         "the adaptive mode; --measure-cost measures it)")
+    ap.add_argument("--measure-cost", type=int, nargs="*", metavar="BATCH",
+                    help="also time decode vs verify forwards of the default model (cpu backend) at these batch "
+                         "sizes, and use the first one's extra_token_cost")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype for --measure-cost")
     args = ap.parse_args()
     from radixlm.srt.weights.loader import default_model_path
     from radixlm.srt.weights.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_path())
+    costs = [measure_extra_token_cost(b, max(args.num_draft_tokens), args.dtype) for b in args.measure_cost or []]
+    if costs:
+        args.extra_token_cost = max(costs[0]["extra_token_cost"], 0.0)
 
     def enc(pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int], bool]]:
         return [(tok.encode(p), tok.encode(c, add_special_tokens=False), True) for p, c in pairs]
@@ -192,7 +235,7 @@ def main() -> None:
     result: dict = {"benchmark": "ngram_acceptance", "tokenizer": "SmolLM2-135M-Instruct",
                     "target": "the real continuation (greedy target stand-in)",
                     "windows": [args.min_window, args.max_window], "extra_token_cost": args.extra_token_cost,
-                    "workloads": {}}
+                    "measured_cost": costs, "workloads": {}}
     for name, reqs in workloads.items():
         per_k = {}
         for k in args.num_draft_tokens:
