@@ -32,7 +32,7 @@ class NgramConfig:
     min_match_window: int = 1
     max_match_window: int = 12
     # --speculative-ngram-capacity: entries of the cross-request index (0: own context only).
-    # An entry is about 0.3 KB (benchmark/micro/ngram_acceptance.py prints the measured size).
+    # An entry is ~180 B (benchmark/micro/ngram_acceptance.py prints the measured size): 2^18 ~ 48 MB.
     capacity: int = 1 << 18
 
     def __post_init__(self) -> None:
