@@ -24,7 +24,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 if TYPE_CHECKING:
     from radixlm.sampling_params import SamplingParams
@@ -133,6 +133,26 @@ _ALIASES = (("max_tokens", "max_new_tokens"), ("sampling_seed", "seed"))
 _INPUT_MODEL: type[BaseModel] | None = None
 
 
+def resolve_aliases(d: Any) -> Any:
+    """SGLang's other names of sampling fields (`sampling_seed`, `max_tokens`) as ours."""
+    if not isinstance(d, dict):
+        return d
+    d = dict(d)
+    for alias, name in _ALIASES:
+        if alias in d:
+            if d.get(name) is not None and d[alias] is not None:
+                raise ValueError(f"sampling_params: both {alias!r} and {name!r} given")
+            value = d.pop(alias)
+            if d.get(name) is None:
+                d[name] = value
+    return d
+
+
+class _SamplingParamsBase(BaseModel):
+    model_config = STRICT
+    _aliases = model_validator(mode="before")(resolve_aliases)
+
+
 def sampling_params_input_model() -> type[BaseModel]:
     """The pydantic model of a sampling_params object, built from SamplingParams' fields:
     every field optional (null = default), strict, unknown names rejected."""
@@ -142,7 +162,7 @@ def sampling_params_input_model() -> type[BaseModel]:
         hints = typing.get_type_hints(SamplingParams, include_extras=True)
         fields: dict[str, Any] = {f.name: (Union[input_hint(f, hints), None], None)
                                   for f in dataclasses.fields(SamplingParams)}
-        _INPUT_MODEL = create_model("SamplingParamsInput", __config__=STRICT, **fields)
+        _INPUT_MODEL = create_model("SamplingParamsInput", __base__=_SamplingParamsBase, **fields)
     return _INPUT_MODEL
 
 
@@ -152,14 +172,7 @@ def parse_sampling_params(d: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(d, dict):
         raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-    d = dict(d)
-    for alias, name in _ALIASES:
-        if alias in d:
-            if d.get(name) is not None and d[alias] is not None:
-                raise ValueError(f"sampling_params: both {alias!r} and {name!r} given")
-            value = d.pop(alias)
-            if d.get(name) is None:
-                d[name] = value
+    d = resolve_aliases(d)
     try:
         model = sampling_params_input_model().model_validate(d)
     except ValidationError as e:

@@ -345,6 +345,8 @@ class Scheduler:
             req.input_token_logprobs.clear()
             req.input_top_logprobs.clear()
         self.requests.put(req, Place.WAITING)
+        # The front end learns of it now (num_retractions): it answers an abort by itself.
+        self._pending_out.append(make_output(req, include_input_logprobs=False))
 
     # ================================================================ results
     def postprocess(self, batch: WorkerBatch, result: BatchResult) -> None:
@@ -430,7 +432,9 @@ class Scheduler:
             self.cancel_latency.add(req.rid, req.abort_sent_time, time.time())
 
     def _maybe_stream(self, req: Req) -> None:
-        if req.stream and len(req.output_ids) - req.sent_len >= self.config.stream_interval:
+        # Non-streamed requests too: the front end holds every token delivered, so it can
+        # answer an abort at once with the output so far (it returns only the final result).
+        if len(req.output_ids) - req.sent_len >= self.config.stream_interval:
             self._emit(req)
 
     def _emit(self, req: Req) -> None:

@@ -515,6 +515,8 @@ class TokenizerManager:
                 if not st.pending:
                     continue
                 chunk = absorb(st, self.metrics)
+                if not (chunk["output_ids"] or chunk["text"] or st.finished):
+                    continue  # news without tokens (a retraction): nothing to stream
                 out = result(st, self.tokenizer, with_text, full=False, delta=chunk,
                              weight_version=self.weight_version)
                 if len(states) > 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -94,6 +95,42 @@ def test_abort_and_retraction_storm(tp1, tp2):
 
 def test_trainer_broadcast_reaches_every_rank(tp1, tp2, tiny_llama_tp_dir, tmp_path):
     check_trainer_broadcast(tp1, tp2, tiny_llama_tp_dir, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_paused_update_under_tp(tp2, tiny_llama_tp_dir, mode):
+    """Pause (retract / in_place) -> update -> continue at tp 2, as on one rank
+    (docs/cancel_chain.md): the update applies at once while paused, every rank moves the
+    paused requests the same way, and meta_info says which weights made which tokens."""
+    import threading
+    n, prompt = 120, random_prompt(70 if mode == "retract" else 71, 12)
+    old = tp2.get_weight_version()
+    chunks: list[dict] = []
+    stream = tp2.generate(input_ids=prompt, sampling_params={"max_new_tokens": n, **GREEDY}, stream=True)
+    reader = threading.Thread(target=lambda: chunks.extend(stream), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while len(chunks) < 3:
+        assert time.monotonic() < deadline, "no tokens"
+        time.sleep(0.005)
+    tp2.pause_generation(mode)
+    try:
+        res = tp2.update_weights_from_tensor(perturbed_weights(tiny_llama_tp_dir, 3), weight_version=f"tp-{mode}")
+    finally:
+        tp2.continue_generation()
+    reader.join(120)
+    assert not reader.is_alive()
+    meta = chunks[-1]["meta_info"]
+    ids = [t for c in chunks for t in c["output_ids"]]
+    assert res["weight_version"] == f"tp-{mode}" and meta["finish_reason"]["type"] == "length" and len(ids) == n
+    (v0, s0), (v1, k) = meta["weight_versions"]
+    assert (v0, s0, v1) == (old, 0, f"tp-{mode}") and 3 <= k < n
+    if mode == "retract":  # recomputed under the new weights, on every rank alike
+        assert meta["num_retractions"] >= 1
+        redo = tp2.generate(input_ids=prompt + ids[:k], sampling_params={"max_new_tokens": n - k, **GREEDY})
+        assert redo["output_ids"] == ids[k:]
+    tp2.update_weights_from_disk(tiny_llama_tp_dir)  # the checkpoint again, for the tests after this one
+    assert_idle_and_empty(tp2)
 
 
 def test_a_dead_rank_takes_the_engine_down(tp2):

@@ -120,3 +120,15 @@ def test_request_models_take_null_as_default():
                                                                                           "max_new_tokens": 3}})
     assert gen.generate_kwargs() == {"prompt": "x", "sampling_params": {"max_new_tokens": 3}, "stream": False,
                                      "return_logprob": False, "return_text_in_logprobs": False}
+
+
+def test_the_generate_route_model_takes_sglangs_aliases():
+    """/generate's request model (what the gateway forwards) reads `sampling_seed` and
+    `max_tokens` as seed and max_new_tokens, as parse_sampling_params does."""
+    from pydantic import ValidationError
+
+    from radixlm.srt.openai_protocol import GenerateRequest
+    body = GenerateRequest.model_validate({"text": "x", "sampling_params": {"sampling_seed": 7, "max_tokens": 5}})
+    assert body.generate_kwargs()["sampling_params"] == {"seed": 7, "max_new_tokens": 5}
+    with pytest.raises(ValidationError, match="both"):
+        GenerateRequest.model_validate({"text": "x", "sampling_params": {"sampling_seed": 7, "seed": 1}})

@@ -36,7 +36,11 @@ _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
            _HERE / "float_gemm.cpp"]
 HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h"]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
+# Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose
+# constructor turns on flush-to-zero / denormals-are-zero for the whole process that loads the
+# library (every later float operation of the caller's own code would change).
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -87,7 +91,7 @@ def _library_path(cxx: str, flags: list[str] = FLAGS) -> Path:
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
         h.update(f.read_bytes())
-    h.update(" ".join([cxx, *flags, *sorted(cpu_flags())]).encode())
+    h.update(" ".join([cxx, *flags, "link:", *LINK_FLAGS, *sorted(cpu_flags())]).encode())
     return cache_dir() / f"cpu_ops-{h.hexdigest()[:16]}.so"
 
 
@@ -95,15 +99,22 @@ def _build(cxx: str, target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent) as objdir:
+        try:
+            objects = [os.path.join(objdir, f"{src.stem}.o") for src in SOURCES]
+            for src, obj in zip(SOURCES, objects):
+                _run(cxx, [*flags, "-c", str(src), "-o", obj])
+            _run(cxx, [*LINK_FLAGS, *objects, "-o", tmp])
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _run(cxx: str, args: list[str]) -> None:
+    proc = subprocess.run([cxx, *args], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")
 
 
 def load() -> ctypes.CDLL | None:

@@ -1,0 +1,11 @@
+"""Speculative decoding with n-gram drafts (issue 20): drafting, verification, adaptive length.
+
+The scheduler/cache-manager integration is not built yet; README.md says how it plugs in.
+"""
+from radixlm.speculative.acceptance import RowSampler, Verified, verification_rows, verify_drafts
+from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig, best_draft_length
+from radixlm.speculative.drafter import Draft, DrafterStats, NgramConfig, NgramDrafter
+from radixlm.speculative.ngram_index import NgramIndex
+
+__all__ = ["AcceptanceTracker", "AdaptiveConfig", "Draft", "DrafterStats", "NgramConfig", "NgramDrafter",
+           "NgramIndex", "RowSampler", "Verified", "best_draft_length", "verification_rows", "verify_drafts"]
