@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from common import machine_info  # noqa: E402
+from common import emit  # noqa: E402
 
 SRC = os.path.join(HERE, "roofline_kernels.cpp")
 PEAKS = {  # name -> (what it measures, MACs per instruction)
@@ -188,11 +187,7 @@ def main() -> None:
     res = {"benchmark": "roofline", "cores": cores, "peaks": peaks(lib, args.seconds, args.repeats, cores),
            "dram": dram(lib, args.repeats, cores, args.dram_mib), "gemm": gemm_rates(args.repeats),
            "kv_bytes_per_token": kv_bytes_per_token()}
-    text = json.dumps({**res, "machine": machine_info()}, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":

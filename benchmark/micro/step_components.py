@@ -13,7 +13,6 @@ interleave in the pool as concurrent decodes leave them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import machine_info  # noqa: E402
+from common import emit  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:
@@ -122,12 +121,7 @@ def main() -> None:
         comp["argmax"] = round(best(lambda: ops.argmax_rows(logits), args.repeats) * 1e3, 3)
     res["sum_ms"] = round(sum(comp.values()), 2)
     res["detail"] = detail
-    res["machine"] = machine_info()
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":
