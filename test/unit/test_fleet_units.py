@@ -24,7 +24,7 @@ def test_generate_accepts_the_gateways_fields_and_drops_them():
     body = GenerateRequest.model_validate(SMG_BODY)
     kw = body.model_dump(exclude=GATEWAY_GENERATE_FIELDS)
     assert not GATEWAY_GENERATE_FIELDS & set(kw)
-    assert kw["text"] == "hello" and kw["rid"] == "r1" and kw["sampling_params"]["sampling_seed"] == 5
+    assert kw["text"] == "hello" and kw["rid"] == "r1" and kw["sampling_params"]["seed"] == 5  # SGLang's name, resolved
 
 
 @pytest.mark.parametrize("field", ["background", "return_bytes", "return_entropy", "return_hidden_states"])
