@@ -95,9 +95,9 @@ class TokenizerManager:
         self._unpaused.set()
         self.model_update_lock = RWLock()
         self.weight_version = "0"
-        self._num_weight_updates = 0
-        # Cache namespace of the weights now loaded: a count of updates (never reused, unlike
-        # a user-chosen version label), so KV of other weights is never matched.
+        # Updates applied so far: the default version label, and the cache namespace of the
+        # weights now loaded (never reused, unlike a user-chosen label), so KV of other weights
+        # is never matched.
         self._weights_generation = 0
         self.memory_released = False
         self.dead: str | None = None  # set when a runtime process died
@@ -357,14 +357,10 @@ class TokenizerManager:
         # Running requests finish first, unless paused (then they continue afterwards).
         async with self.model_update_lock.write():
             req.cache_namespace = f"weights:{self._weights_generation + 1}"
-            try:
-                result = await self.rpc(req, timeout=timeout)
-            except RuntimeError as e:
-                raise ValueError(str(e).split(": ", 1)[-1]) from None
+            result = await self._rpc_value_error(req, timeout=timeout)
             self._weights_generation += 1
-            self._num_weight_updates += 1
             self.weight_version = str(weight_version) if weight_version is not None \
-                else str(self._num_weight_updates)
+                else str(self._weights_generation)
             for sched_rid, n_out in result.pop("live_output_lens", {}).items():
                 st = self.table.by_sched.get(sched_rid)
                 if st is not None and st.weight_versions:  # paused in the scheduler: a new segment
@@ -378,11 +374,8 @@ class TokenizerManager:
         self.weight_version = str(weight_version)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100, max_elements: int | None = None) -> list:
-        try:
-            return await self.rpc(GetWeightsByNameReq(name=name, truncate_size=truncate_size,
-                                                      max_elements=max_elements))
-        except RuntimeError as e:
-            raise ValueError(str(e).split(": ", 1)[-1]) from None
+        return await self._rpc_value_error(GetWeightsByNameReq(name=name, truncate_size=truncate_size,
+                                                               max_elements=max_elements))
 
     async def release_memory_occupation(self) -> None:
         async with self.model_update_lock.write():
