@@ -151,6 +151,16 @@ class ServerArgs:
                         "NCCL on CUDA, one GPU each); attention is split by KV-head groups", default=1)
     dist_timeout: float = _opt("seconds a collective between ranks (or with a trainer's weight update group) "
                                "may wait before failing", default=300.0)
+    # ---- prefill/decode disaggregation (SGLang's flag names; docs/disaggregation.md) ----
+    disaggregation_mode: str = _opt("null: prefill and decode here; prefill: compute prompts and send their KV "
+                                    "to a decode server; decode: receive KV from prefill servers and decode",
+                                    choices=("null", "prefill", "decode"), default="null")
+    disaggregation_bootstrap_port: int = _opt("prefill server: the port (on --host) decode servers fetch KV "
+                                              "from (what the gateway's --prefill URL PORT names)", default=8998)
+    disaggregation_transfer_backend: str = _opt("how KV moves: tcp (ZeroMQ, any machine)", choices=("tcp",),
+                                                default="tcp")
+    disaggregation_transfer_timeout: float = _opt("seconds a room may hear nothing from its peer before it is "
+                                                  "ended on this side (503)", default=30.0)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -255,6 +265,10 @@ class ServerArgs:
             raise ValueError("max_top_logprobs_num must be >= 0")
         if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
             raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
+        if self.disaggregation_mode != "null" and self.tp_size > 1:
+            raise ValueError("disaggregation_mode prefill/decode runs with tp_size 1 for now")
+        if self.disaggregation_transfer_timeout <= 0:
+            raise ValueError("disaggregation_transfer_timeout must be > 0 seconds")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         for f in dataclasses.fields(self):

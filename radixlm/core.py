@@ -65,6 +65,8 @@ class Req:
     priority: int = 0
     stream: bool = False
     timeout: float | None = None  # seconds from arrival (per-request deadline)
+    # disaggregation: the room its KV is sent to / comes from (radixlm.disaggregation.protocol.Bootstrap)
+    bootstrap: Any = None
 
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

@@ -20,6 +20,8 @@ class TokenizedGenerateReq:
     extra_key: str | None = None
     priority: int = 0
     timeout: float | None = None  # seconds from arrival; past it the request ends with 503
+    # disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room, index among n > 1 children)
+    bootstrap: tuple[str, int, int, int] | None = None
 
 
 @dataclass

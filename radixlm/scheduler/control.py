@@ -189,4 +189,6 @@ def server_info(s: Scheduler) -> dict[str, Any]:
             + sum(r.seqlen - r.kv_committed_len for r in reqs.reqs(Place.CHUNKED)),
             "num_grammar_queue_reqs": len(s.grammar_queue), **s.grammar_queue.stats,
             "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
-            **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {})}
+            **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {}),
+            **({"disaggregation": s.transfer.stats()} if s.transfer is not None else {}),
+            "num_transfer_reqs": reqs.count(Place.TRANSFER)}

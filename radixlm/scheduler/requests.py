@@ -9,6 +9,8 @@ batch still writes its KV, until that batch is processed):
     CHUNKED    between two chunks of its prefill (holds KV; at most one request)
     RUNNING    decoding (holds KV; may also sit in a launched decode batch)
     RELEASING  answered; its KV goes back once the launched batch that writes it is processed
+    TRANSFER   disaggregation: its KV is being sent (prefill server) or received (decode server;
+               it may wait there for slots, holding none)
 
 Each place keeps arrival order (a dict per place), which is the order of the old per-place
 lists: the waiting queue's order feeds the scheduling policies and the running order is the
@@ -31,10 +33,11 @@ class Place(enum.Enum):
     CHUNKED = "chunked"
     RUNNING = "running"
     RELEASING = "releasing"
+    TRANSFER = "transfer"
 
 
 # The places whose requests hold KV (check_integrity's live requests).
-HOLDS_KV = (Place.PREFILL, Place.CHUNKED, Place.RUNNING, Place.RELEASING)
+HOLDS_KV = (Place.PREFILL, Place.CHUNKED, Place.RUNNING, Place.RELEASING, Place.TRANSFER)
 
 
 class RequestTable:

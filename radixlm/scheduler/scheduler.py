@@ -32,13 +32,14 @@ from radixlm.scheduler.prefill import AddStatus, PrefillAdder
 from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
 from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker, retraction_order
 from radixlm.scheduler.stats import CancelLatency, SchedulerStats
+from radixlm.scheduler.transfer_hooks import TransferHooks
 from radixlm.scheduler.validate import check_new_request, deadline_passed
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 # An abort looks for its requests in this order (the order of their final outputs).
-ABORTABLE = (Place.WAITING, Place.GRAMMAR, Place.CHUNKED, Place.PREFILL, Place.RUNNING)
+ABORTABLE = (Place.WAITING, Place.GRAMMAR, Place.CHUNKED, Place.PREFILL, Place.RUNNING, Place.TRANSFER)
 
 
 class Scheduler:
@@ -66,6 +67,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.cancel_latency = CancelLatency()
         self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
+        # prefill/decode disaggregation (radixlm/disaggregation): set by its builder
+        self.transfer: TransferHooks | None = None
 
     # ================================================================ where requests are
     @property
@@ -101,7 +104,7 @@ class Scheduler:
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
                   extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
-                  created_time=self.ranks.now())
+                  created_time=self.ranks.now(), bootstrap=msg.bootstrap)
         error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
@@ -109,8 +112,12 @@ class Scheduler:
             error = (f"the queue is full ({limit} waiting requests)", 503)
         if error is not None:
             req.finish_reason = FinishReason.abort(error[0], status_code=error[1])
+            if self.transfer is not None:
+                self.transfer.on_finish(req)  # the peer answers its side of the room with the error
             self._emit(req)
             self._flush_outputs()
+            return
+        if self.transfer is not None and self.transfer.take_new(req):
             return
         grammar = req.sampling_params.grammar
         if grammar is not None:
@@ -190,6 +197,8 @@ class Scheduler:
     def step(self) -> bool:
         """One iteration; False when there was nothing to do."""
         self.cache.poll()  # HiCache: acks of finished host copies unlock their nodes
+        if self.transfer is not None:
+            self.transfer.poll()
         self.check_timeouts()
         self._admit_compiled()
         batch = self.schedule()
@@ -386,6 +395,8 @@ class Scheduler:
             else:
                 with self.boundary.guard(req, "processing its output"):
                     accept_token(req, result, i, self.stop_checker)
+            if self.transfer is not None and self.transfer.take_prefilled(req):
+                continue
             if req.finish_reason is not None:
                 self._finish(req, req.finish_reason)
             else:
@@ -416,6 +427,8 @@ class Scheduler:
         req.to_finish = None
         req.grammar = None  # release the matcher (a launched batch keeps its own reference)
         req.finished_time = time.perf_counter()
+        if self.transfer is not None:
+            self.transfer.on_finish(req)  # before the release: no chunk is written after it
         if req.inflight > 0:
             self.requests.put(req, Place.RELEASING)  # a launched batch may still write its KV
         else:

@@ -28,6 +28,7 @@ class SchedulerStats:
     aborts_running: int = 0
     aborts_in_flight: int = 0
     aborts_grammar: int = 0
+    aborts_transfer: int = 0  # disaggregation: while its KV was sent or received
     num_timeouts: int = 0
     num_rejected: int = 0
     # the error boundary (error_boundary.py): requests ended by a failure of their own, and

@@ -26,26 +26,29 @@ class GenerateItem:
     top_logprobs_num: int
     stream: bool
     timeout: float | None = None
+    bootstrap: tuple[str, int, int] | None = None  # disaggregation: (host, port, room)
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
         if n == 1:
-            return [self._req(self.rid, self.sampling_params)]
+            return [self._req(self.rid, self.sampling_params, 0)]
         out = []
         for i in range(n):
             sp = copy.deepcopy(self.sampling_params)
             sp.n = 1
             if sp.seed is not None:
                 sp.seed = sp.seed + i  # identical seeds would give identical children
-            out.append(self._req(f"{self.rid}_{i}", sp))
+            out.append(self._req(f"{self.rid}_{i}", sp, i))
         return out
 
-    def _req(self, rid: str, sp: SamplingParams) -> TokenizedGenerateReq:
+    def _req(self, rid: str, sp: SamplingParams, index: int) -> TokenizedGenerateReq:
+        # the gateway gives one room per request whatever its n: child i's KV is (room, i)'s
+        bootstrap = (*self.bootstrap, index) if self.bootstrap is not None else None
         return TokenizedGenerateReq(rid=rid, input_ids=self.input_ids, sampling_params=sp,
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
-                                    timeout=self.timeout)
+                                    timeout=self.timeout, bootstrap=bootstrap)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -75,6 +78,26 @@ def _sampling_params(raw: Any, vocab_size: int, limits: RequestLimits) -> Sampli
     return sp
 
 
+def _bootstraps(host: Any, port: Any, room: Any, n: int) -> list[tuple[str, int, int] | None]:
+    """The gateway's bootstrap_host/port/room (one each, or a list per prompt of a batch)."""
+    if room is None:
+        if host is not None or port is not None:
+            raise ValueError("bootstrap_host and bootstrap_port need a bootstrap_room")
+        return [None] * n
+    hosts, ports, rooms = (_as_list(host, n, "bootstrap_host"), _as_list(port, n, "bootstrap_port"),
+                           _as_list(room, n, "bootstrap_room"))
+    out: list[tuple[str, int, int] | None] = []
+    for h, p, r in zip(hosts, ports, rooms, strict=True):
+        if not isinstance(h, str) or not h:
+            raise ValueError(f"bootstrap_host must be a host name, got {h!r}")
+        if not isinstance(p, int) or isinstance(p, bool) or not 0 < p < 65536:
+            raise ValueError(f"bootstrap_port must be a port number, got {p!r}")
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < 2**63:
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2^63), got {r!r}")
+        out.append((h, p, r))
+    return out
+
+
 def _check_flag(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -83,7 +106,8 @@ def _check_flag(value: Any, name: str) -> None:
 def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: RequestLimits | None = None,
                        prompt=None, input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
-                       stream: bool = False, timeout: float | None = None) -> tuple[list[GenerateItem], bool]:
+                       stream: bool = False, timeout: float | None = None, bootstrap_host=None,
+                       bootstrap_port=None, bootstrap_room=None) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch."""
     limits = limits or RequestLimits()
     if (prompt is None) == (input_ids is None):
@@ -117,6 +141,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     rlp = _as_list(return_logprob, n, "return_logprob")
     lsl = _as_list(logprob_start_len, n, "logprob_start_len")
     tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
+    boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -162,5 +187,5 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
-        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout))
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i]))
     return items, is_batch

@@ -150,6 +150,11 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None
+    # prefill/decode disaggregation: where the KV comes from / goes (the gateway adds them; a
+    # batch has one per prompt). docs/disaggregation.md
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
     # The SGLang Model Gateway (smg) re-serializes every /generate it forwards and adds these
     # fields at their defaults. An explicit allow-list: each is accepted at the value that
     # means "nothing special" and none reaches the engine (GATEWAY_GENERATE_FIELDS).

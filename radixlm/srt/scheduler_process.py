@@ -70,6 +70,12 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
     scheduler = Scheduler(config, runner, cache, tokenizer=tokenizer, send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids),
                           ranks=ranks)
+    if args.disaggregation_mode != "null":
+        from radixlm.disaggregation.build import attach_transfer
+        attach_transfer(scheduler, args.disaggregation_mode, host=args.host,
+                        bootstrap_port=args.disaggregation_bootstrap_port,
+                        backend=args.disaggregation_transfer_backend,
+                        timeout_s=args.disaggregation_transfer_timeout, kv_buffers=runner.kv_pool.slot_buffers)
     return scheduler, runner
 
 
@@ -124,7 +130,20 @@ def event_loop(scheduler, receiver: Receiver | None, to_detok: Sender | None,
                 return
             handle_message(scheduler, msg, to_detok, control)
         if not scheduler.step() and receiver is not None:
-            receiver.wait(IDLE_POLL_MS)
+            _wait(receiver, scheduler)
+
+
+def _wait(receiver: Receiver, scheduler) -> None:
+    """Idle: block until a message (or, with disaggregation, a peer's message) or IDLE_POLL_MS."""
+    extra = scheduler.transfer.wait_sockets() if scheduler.transfer is not None else []
+    if not extra:
+        receiver.wait(IDLE_POLL_MS)
+        return
+    import zmq
+    poller = zmq.Poller()
+    for sock in (receiver.sock, *extra):
+        poller.register(sock, zmq.POLLIN)
+    poller.poll(IDLE_POLL_MS)
 
 
 def handle_message(scheduler, msg, to_detok: Sender | None, control: ControlChannel | None = None) -> None:

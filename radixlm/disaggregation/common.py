@@ -1,0 +1,86 @@
+"""What both sides share: their settings, counters and the peer bookkeeping (pings, silence)."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from radixlm.disaggregation.kv_pages import KVBuffers
+from radixlm.disaggregation.links import Link
+from radixlm.disaggregation.protocol import PING, decode, encode
+
+__all__ = ["TransferConfig", "TransferStats", "PeerBook"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    # A room whose peer is silent this long (no message, pings included) is ended on this
+    # side: its slots are reclaimed and its request answered with a 503.
+    timeout_s: float = 30.0
+    ping_s: float = 1.0  # each side pings the peers it has rooms with
+    chunk_tokens: int = 256  # tokens per KV chunk (one message per buffer and chunk)
+
+
+@dataclass
+class TransferStats:
+    rooms_started: int = 0
+    rooms_completed: int = 0
+    rooms_aborted: int = 0  # ended before completion on this side (abort sent or recorded)
+    rooms_aborted_by_peer: int = 0
+    rooms_timed_out: int = 0
+    bytes: int = 0  # KV payload sent (prefill) or written (decode)
+    chunks: int = 0
+    dropped_messages: int = 0  # for a room that is not (or no longer) receiving: never written
+    duplicate_chunks: int = 0
+    bad_messages: int = 0  # malformed, wrong size or checksum: dropped (the room then times out)
+    transfer_seconds: float = 0.0  # sum over completed rooms of first KV chunk -> last one
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass
+class PeerBook:
+    """When each peer was last heard from, and pinging the peers with rooms."""
+    link: Link
+    config: TransferConfig
+    clock: Callable[[], float] = time.monotonic
+    heard: dict[Hashable, float] = field(default_factory=dict)
+    _last_ping: float = 0.0
+
+    def receive(self, stats: TransferStats) -> list[tuple[Hashable, tuple[Any, ...], bytes | None]]:
+        now = self.clock()
+        out = []
+        for peer, frames in self.link.recv_all():
+            self.heard[peer] = now
+            try:
+                header, payload = decode(frames)
+            except ValueError as e:
+                stats.bad_messages += 1
+                logger.warning("dropped a malformed disaggregation message: %s", e)
+                continue
+            if header[0] != PING:
+                out.append((peer, header, payload))
+        return out
+
+    def silent_since(self, peer: Hashable | None, since: float) -> float:
+        """Seconds of silence of `peer` for a room whose own last progress was at `since`."""
+        last = max(since, self.heard.get(peer, since)) if peer is not None else since
+        return self.clock() - last
+
+    def ping(self, peers: set[Hashable]) -> None:
+        now = self.clock()
+        if now - self._last_ping < self.config.ping_s:
+            return
+        self._last_ping = now
+        for peer in peers:
+            self.link.send(peer, encode(PING))
+
+
+def kv_layout(buffers: KVBuffers) -> list[int]:
+    from radixlm.disaggregation.kv_pages import layout
+    return layout(buffers())
