@@ -35,6 +35,15 @@ class AbortReq:
 
 
 @dataclass
+class RejectRoomsReq:
+    """Disaggregation: the front end refused a request that came with rooms (bad input): the
+    peer server's side of each room is answered with this error at once, not after a timeout."""
+    rooms: list[tuple[str, int, int, int]] = field(default_factory=list)  # (host, port, room, child)
+    message: str = ""
+    status_code: int = 400
+
+
+@dataclass
 class RpcReq:
     """A control request that expects exactly one RpcReply with the same call_id."""
     call_id: int = 0

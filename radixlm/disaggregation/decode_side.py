@@ -109,6 +109,11 @@ class DecodeTransfer:
         self.link.send((boot.host, boot.port), encode(ABORT, boot.key, reason.message or reason.type,
                                                       reason.status_code or 200))
 
+    def reject(self, rooms: list[tuple[str, int, int, int]], message: str, status_code: int) -> None:
+        for host, port, room, child in rooms:  # the prefill server need not compute them
+            self.counters.rooms_aborted += 1
+            self.link.send((host, port), encode(ABORT, RoomKey(room, child), message, status_code))
+
     def poll(self) -> None:
         for peer, header, payload in self.peers.receive(self.counters):
             try:

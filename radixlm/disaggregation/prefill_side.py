@@ -133,6 +133,10 @@ class PrefillTransfer:
         else:
             self._tombstone(key, reason)
 
+    def reject(self, rooms: list[tuple[str, int, int, int]], message: str, status_code: int) -> None:
+        for boot in rooms:
+            self._tombstone(RoomKey(boot[2], boot[3]), FinishReason.abort(message, status_code))
+
     def poll(self) -> None:
         for peer, header, payload in self.peers.receive(self.counters):
             try:

@@ -19,6 +19,7 @@ from radixlm.messages import (
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
     PauseReq,
+    RejectRoomsReq,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     TokenizedGenerateReq,
@@ -62,6 +63,12 @@ def _generate(s: Scheduler, msg: TokenizedGenerateReq) -> None:
 @_handles(AbortReq)
 def _abort(s: Scheduler, msg: AbortReq) -> int:
     return s.abort(msg)
+
+
+@_handles(RejectRoomsReq)
+def _reject_rooms(s: Scheduler, msg: RejectRoomsReq) -> None:
+    if s.transfer is not None:
+        s.transfer.reject(msg.rooms, msg.message, msg.status_code)
 
 
 @_handles(FlushCacheReq)

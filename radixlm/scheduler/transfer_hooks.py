@@ -28,6 +28,9 @@ class TransferHooks(Protocol):
     def on_finish(self, req: Req) -> None:
         """`req` ends (any reason), before its KV is released: forget its room, tell the peer."""
 
+    def reject(self, rooms: list[tuple[str, int, int, int]], message: str, status_code: int) -> None:
+        """The front end refused a request with these rooms: answer the peer's side of each."""
+
     def busy(self) -> bool:
         """Rooms in progress: the loop should wake on the peers' messages."""
 

@@ -61,6 +61,10 @@ class RuntimeMetrics:
         r.register(_CancelLatencyCollector(self))
         self.forward_idle = Gauge("radixlm:forward_idle_fraction",
                                   "share of time the model waited on the scheduler between forwards", registry=r)
+        # prefill/decode disaggregation (docs/disaggregation.md): this side's transfer counters
+        self.transfer = Gauge("radixlm:disagg_transfer", "KV transfer counters of this disaggregation side "
+                              "(bytes, chunks, rooms_* and message counts, totals since start)",
+                              ["counter"], registry=r)
         self._prompt = 0
         self._cached = 0
         self.sglang = SGLangMetrics(r, lambda: self.model_name)
@@ -98,7 +102,10 @@ class RuntimeMetrics:
             self.token_usage.set((mem["capacity"] - mem["free"]) / max(mem["capacity"], 1))
             self.new_token_ratio.set(scheduler_info["new_token_ratio"])
             self.retractions.set(scheduler_info["num_retractions"])
-            for place in ("waiting", "chunked", "running", "in_flight"):
+            for name, value in scheduler_info.get("disaggregation", {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.transfer.labels(name).set(value)
+            for place in ("waiting", "chunked", "running", "in_flight", "transfer"):
                 self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
             self._last_hist = scheduler_info.get("cancel_latency_hist")
             self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))

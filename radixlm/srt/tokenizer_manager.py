@@ -19,6 +19,7 @@ from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
 from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
                               FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
+                              RejectRoomsReq,
                               ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
                               UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
@@ -408,7 +409,12 @@ class TokenizerManager:
         call = self.table.arrive(rids, _n_hints(kw.get("sampling_params"), len(rids)), is_batch)
         admission: asyncio.Future | None = None
         try:
-            items = await self._tokenize(call, kw)
+            try:
+                items = await self._tokenize(call, kw)
+            except ValueError as e:
+                if kw.get("bootstrap_room") is not None:  # disaggregation: the peer learns it now
+                    self._reject_rooms(kw, [call.n_hints[r] for r in rids], str(e))
+                raise
             if items is None:  # every prompt was aborted while it was being tokenized
                 results = early_abort_results(rids, call.n_hints, call.aborted, self.weight_version)
                 yield results if (is_batch or len(results) > 1) else results[0]
@@ -431,6 +437,17 @@ class TokenizerManager:
                 call.holds_read = False
                 self.model_update_lock.release_read()
             self.table.end(call)
+
+    def _reject_rooms(self, kw: dict, n_hints: list[int], message: str) -> None:
+        if self.args.disaggregation_mode == "null":
+            return
+        k = len(n_hints)
+        fields = [kw.get(f"bootstrap_{f}") for f in ("host", "port", "room")]
+        per = [v if isinstance(v, list) else [v] * k for v in fields]
+        rooms = [(h, p, r, i) for (h, p, r), n in zip(zip(*per), n_hints)
+                 if isinstance(h, str) and isinstance(p, int) and isinstance(r, int) for i in range(n)]
+        if rooms:
+            self.to_scheduler.send(RejectRoomsReq(rooms=rooms, message=message, status_code=400))
 
     async def _tokenize(self, call: Call, kw: dict) -> list[GenerateItem] | None:
         """Long texts are tokenized off the event loop so other requests keep flowing; an abort
