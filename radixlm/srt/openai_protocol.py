@@ -73,6 +73,10 @@ class _SamplingRequest(_Request):
     json_schema: JsonSchemaInput | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # prefill/decode disaggregation: the gateway adds them (docs/disaggregation.md)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class CompletionRequest(_SamplingRequest):

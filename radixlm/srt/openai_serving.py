@@ -67,6 +67,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     tools: ToolPlan | None = None  # set when the output is read for tool calls
+    # disaggregation: the gateway's bootstrap_host/port/room (scalars, or a list per prompt)
+    bootstrap: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_choices(self) -> int:
@@ -77,10 +79,11 @@ class Job:
         sel = range(len(self.prompts)) if p is None else [p]
         one = p is not None or len(self.prompts) == 1
         pick = (lambda xs: xs[sel[0]]) if one else (lambda xs: [xs[i] for i in sel])
+        boot = {f"bootstrap_{k}": pick(v) if isinstance(v, list) else v for k, v in self.bootstrap.items()}
         return dict(input_ids=pick(self.prompts), sampling_params=pick(self.sampling), rid=pick(self.rids),
                     return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs,
                     logprob_start_len=self.logprob_start_len, stream=stream, timeout=self.timeout,
-                    return_text_in_logprobs=True)
+                    return_text_in_logprobs=True, **boot)
 
 
 class OpenAIServing:
@@ -258,7 +261,9 @@ class OpenAIServing:
         return Job(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + base, model=model, rids=rids,
                    prompts=prompts, echo_texts=[], sampling=sampling, n=req.n, return_logprob=return_logprob,
                    top_logprobs=top_logprobs, logprob_start_len=None, include_usage=include_usage,
-                   timeout=req.timeout, continuous_usage=continuous_usage)
+                   timeout=req.timeout, continuous_usage=continuous_usage,
+                   bootstrap={k: getattr(req, f"bootstrap_{k}") for k in ("host", "port", "room")
+                              if getattr(req, f"bootstrap_{k}") is not None})
 
     def _sampling(self, req: _SamplingRequest, max_tokens: int, forced_schema: str | None = None) -> dict:
         d: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "n": req.n,

@@ -156,6 +156,21 @@ def test_streaming_n_and_a_shared_prefix_reused_on_the_prefill_side(pd):
     pd.check_clean()
 
 
+def test_openai_routes_through_the_gateway_are_disaggregated(pd):
+    body = {"model": "tiny_llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "n": 2}
+    ref = httpx.post(pd.prefill.base + "/v1/completions", json=body, timeout=120.0).json()
+    before = pd.transfer("decode")["rooms_completed"]
+    out = httpx.post(pd.url + "/v1/completions", json=body, timeout=120.0).json()
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in ref["choices"]]
+    chat = {"model": "tiny_llama", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+            "temperature": 0}
+    ref_chat = httpx.post(pd.prefill.base + "/v1/chat/completions", json=chat, timeout=120.0).json()
+    out_chat = httpx.post(pd.url + "/v1/chat/completions", json=chat, timeout=120.0).json()
+    assert out_chat["choices"][0]["message"]["content"] == ref_chat["choices"][0]["message"]["content"]
+    assert pd.transfer("decode")["rooms_completed"] == before + 3  # 2 choices + 1
+    pd.check_clean()
+
+
 def test_client_disconnect_and_abort_request_on_the_decode_side(pd):
     long = {"temperature": 0, "max_new_tokens": 900, "ignore_eos": True}  # fits both contexts
     before = pd.transfer("decode")["rooms_completed"]
