@@ -16,6 +16,7 @@ from radixlm.disaggregation.protocol import decode
 from radixlm.messages import AbortReq, TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 
+from test.support.hicache_harness import HiHarness, make_hi_harness
 from test.support.scheduler_harness import Harness, make_harness
 
 PREFILL_PEER = ("prefill", 1)  # the decode side's name for the prefill server
@@ -122,8 +123,13 @@ class PDPair:
     def step(self) -> bool:
         busy = False
         for h in (self.p, self.d):
-            busy = h.scheduler.step() or busy
+            moved = h.scheduler.step()
             h.scheduler.check_integrity()
+            if isinstance(h, HiHarness):
+                h.check()  # every settled host/device copy holds its node's tokens
+                if not moved:
+                    h.settle()  # host copies land and their acks are processed
+            busy = moved or busy
         return busy
 
     def idle(self) -> bool:
@@ -153,10 +159,10 @@ class PDPair:
 
 def make_pair(*, overlap: bool = False, fault: Fault | None = None, reorder_seed: int | None = None,
               timeout_s: float = 30.0, chunk_tokens: int = 4, p_args: dict | None = None,
-              d_args: dict | None = None) -> PDPair:
+              d_args: dict | None = None, decode_hicache: bool = False) -> PDPair:
     o = {"disable_overlap_schedule": not overlap, "enable_overlap_schedule": overlap}
     p = make_harness(**{**o, **(p_args or {})})
-    d = make_harness(**{**o, **(d_args or {})})
+    d = (make_hi_harness if decode_hicache else make_harness)(**{**o, **(d_args or {})})
     wire = Wire(fault, random.Random(reorder_seed) if reorder_seed is not None else None)
     config = TransferConfig(timeout_s=timeout_s, ping_s=1.0, chunk_tokens=chunk_tokens)
     ptx = PrefillTransfer(p.scheduler, WireEnd(wire, "prefill"), lambda: [p.runner.kv], config)

@@ -230,6 +230,39 @@ def test_decode_side_retraction_re_prefills_locally():
     pair.assert_clean()
 
 
+@pytest.mark.parametrize("abort_one", [False, True])
+def test_decode_side_retraction_with_hicache_loads_back_from_the_host_tier(abort_one):
+    """With HiCache on the decode server, a retracted request's KV (received by transfer, then
+    decoded) is backed up to the host tier and loaded back on resume; fresh slots are
+    poisoned, so KV that did not arrive (or was not loaded) fails the forward. An abort of a
+    retracted request while its copies are in flight leaks nothing."""
+    pair = make_pair(decode_hicache=True, d_args={"capacity": 96})
+    prompts = [[10 * i + j for j in range(1, 20)] for i in range(4)]
+    for i, pr in enumerate(prompts):
+        pair.submit(pr, f"h{i}", max_new_tokens=14, ignore_eos=True)
+    aborted = None
+    for _ in range(2000):
+        if pair.idle():
+            break
+        pair.step()
+        if abort_one and aborted is None:
+            waiting = [r for r in pair.d.scheduler.waiting if r.num_retractions]
+            if waiting:
+                aborted = waiting[0].rid
+                pair.abort("decode", aborted)
+    pair.run()
+    assert pair.d.scheduler.stats.num_retractions > 0
+    stats = pair.d.stats()
+    assert stats["host_hit_tokens"] > 0 or abort_one, stats
+    for i, pr in enumerate(prompts):
+        if f"h{i}" == aborted:
+            assert pair.d.final(aborted).finish_reason["type"] == "abort"
+        else:
+            _check_ok(pair, f"h{i}", pr, 14)
+    pair.d.settle()
+    pair.assert_clean()
+
+
 def test_abort_while_waiting_for_decode_slots_and_duplicate_rooms():
     pair = make_pair(d_args={"capacity": 24})
     pair.submit(PROMPT, "big", max_new_tokens=3)

@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation through the SGLang Model Gateway vs one co-located server.
+
+    python benchmark/pd.py [--model-path DIR] [--requests 8] [--prompt-words 400] [--output-len 32]
+                           [--concurrency 1,4] [--out F.json]
+
+Disaggregated: a `radixlm serve --disaggregation-mode prefill` server on one core and a
+`--disaggregation-mode decode` server on the other (one thread each), KV over radixlm's TCP
+transfer backend, behind `smg launch --pd-disaggregation`. Co-located: one `radixlm serve` on
+both cores (two threads) behind `smg launch --worker-urls` (the same gateway hop). Same total
+cores and threads. Every request streams through the gateway with a prompt of its own (no
+shared prefix); reported per setup and concurrency: TTFT and inter-token latency percentiles
+(client side), output tok/s, and for the disaggregated setup the decode server's transfer
+counters: bytes, rooms and the loopback transfer rate (bytes / time from a room's first KV
+chunk to its last, as the decode server measures it).
+
+Caveat: on a 2-core machine disaggregation has nothing to gain in speed. Its point is that a
+long prefill never stalls the decode steps of running requests (and that each side can be
+sized for its phase); with one core per side, each phase gets half the machine and the
+transfer is pure overhead. This measures that overhead honestly; it says nothing about a
+multi-GPU deployment.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import emit  # noqa: E402,I001
+
+from radixlm.srt.fleet.processes import ChildProcess, free_port, wait_until_ready  # noqa: E402
+
+WORDS = ("river mountain lantern copper violet harbor meadow engine silver orchard canyon "
+         "thunder pepper marble falcon glacier ribbon cobalt willow saddle").split()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 2) if xs else 0.0
+
+
+def prompt(i: int, words: int) -> str:
+    # a different first word per request: no prefix is shared between requests
+    return f"Request {i}: " + " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(words))
+
+
+def serve(name: str, model: str | None, port: int, cpus: list[int], extra: list[str], log) -> ChildProcess:
+    argv = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "m", *(["--model-path", model] if model else []), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(len(cpus)), MKL_NUM_THREADS=str(len(cpus)))
+    return ChildProcess.start(name, argv, env=env, cpus=cpus, log=log)
+
+
+def gateway(port: int, args: list[str], log) -> ChildProcess:
+    argv = [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port("127.0.0.1")),
+            "--log-level", "warn", "--shutdown-grace-period-secs", "2", "--policy", "round_robin", *args]
+    return ChildProcess.start("smg", argv, log=log)
+
+
+def wait_gateway(proc: ChildProcess, url: str, workers: int) -> None:
+    def ready(body: bytes) -> bool:
+        try:
+            return json.loads(body).get("healthy_workers", 0) >= workers
+        except ValueError:
+            return False
+    wait_until_ready([proc], [url + "/readiness"], 120, check=ready)
+
+
+async def one(c: httpx.AsyncClient, text: str, output_len: int) -> dict:
+    body = {"text": text, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": output_len,
+                                                              "ignore_eos": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    n_tokens = 0
+    async with c.stream("POST", "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev)
+            got = ev["meta_info"]["completion_tokens"]
+            if got > n_tokens:
+                stamps += [time.perf_counter()] * (got - n_tokens)
+                n_tokens = got
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tokens": n_tokens, "e2e": time.perf_counter() - t0}
+
+
+async def load(url: str, n: int, concurrency: int, words: int, output_len: int, base: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600.0) as c:
+        async def job(i: int) -> dict:
+            async with sem:
+                return await one(c, prompt(base + i, words), output_len)
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(job(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+    itl = [x for r in res for x in r["itl"]]
+    return {"concurrency": concurrency, "requests": n,
+            "ttft_ms": {"p50": pct([r["ttft"] for r in res], 0.5), "p90": pct([r["ttft"] for r in res], 0.9)},
+            "itl_ms": {"p50": pct(itl, 0.5), "p90": pct(itl, 0.9), "p99": pct(itl, 0.99)},
+            "output_tok_s": round(sum(r["tokens"] for r in res) / wall, 2), "wall_s": round(wall, 2)}
+
+
+def transfer_stats(decode_url: str) -> dict:
+    return httpx.get(decode_url + "/get_server_info", timeout=30).json()["disaggregation"]
+
+
+def run_setup(kind: str, ns, cpus: list[int], logs) -> dict:
+    procs: list[ChildProcess] = []
+    gw_port = free_port("127.0.0.1")
+    url = f"http://127.0.0.1:{gw_port}"
+    try:
+        if kind == "disaggregated":
+            pp, dp, bp = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
+            procs.append(serve("prefill", ns.model_path, pp, cpus[:1], ["--disaggregation-mode", "prefill",
+                                                                       "--disaggregation-bootstrap-port", str(bp)], logs))
+            procs.append(serve("decode", ns.model_path, dp, cpus[1:] or cpus[:1],
+                               ["--disaggregation-mode", "decode"], logs))
+            urls = [f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"]
+            wait_until_ready(procs, [u + "/health" for u in urls], 900)
+            procs.append(gateway(gw_port, ["--pd-disaggregation", "--prefill", urls[0], str(bp), "--decode", urls[1]],
+                                 logs))
+            wait_gateway(procs[-1], url, 2)
+        else:
+            sp = free_port("127.0.0.1")
+            procs.append(serve("co-located", ns.model_path, sp, cpus, [], logs))
+            urls = [f"http://127.0.0.1:{sp}"]
+            wait_until_ready(procs, [urls[0] + "/health"], 900)
+            procs.append(gateway(gw_port, ["--worker-urls", urls[0]], logs))
+            wait_gateway(procs[-1], url, 1)
+        asyncio.run(load(url, 2, 1, ns.prompt_words, 4, 10_000))  # warm-up (kernels, first forwards)
+        before = transfer_stats(urls[1]) if kind == "disaggregated" else None
+        out: dict = {"threads": len(cpus), "servers": len(urls), "runs": []}
+        for k, conc in enumerate(int(c) for c in ns.concurrency.split(",")):
+            out["runs"].append(asyncio.run(load(url, ns.requests, conc, ns.prompt_words, ns.output_len, 1000 * (k + 1))))
+        if before is not None:
+            after = transfer_stats(urls[1])
+            moved = after["bytes"] - before["bytes"]
+            secs = after["transfer_seconds"] - before["transfer_seconds"]
+            rooms = after["rooms_completed"] - before["rooms_completed"]
+            out["transfer"] = {"rooms": rooms, "mb": round(moved / 1e6, 2), "mb_per_room": round(moved / 1e6 / max(rooms, 1), 3),
+                               "ms_per_room": round(secs * 1000 / max(rooms, 1), 2),
+                               "loopback_mb_s": round(moved / 1e6 / secs, 1) if secs > 0 else None,
+                               "aborted": after["rooms_aborted"], "timed_out": after["rooms_timed_out"]}
+        return out
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            p.wait_or_kill(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-words", type=int, default=400, help="prompt length in words (~1.3 tokens each)")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--out", default=None)
+    ns = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    result: dict = {"benchmark": "pd", "model": ns.model_path or "SmolLM2-135M-Instruct (default)",
+                    "prompt_words": ns.prompt_words, "output_len": ns.output_len, "cores": cpus,
+                    "caveat": "2 cores: each phase gets half the machine in the disaggregated setup; the transfer "
+                              "is overhead with nothing to win (see the docstring)"}
+    with open(os.devnull, "wb") as logs:
+        for kind in ("disaggregated", "co_located"):
+            result[kind] = run_setup(kind, ns, cpus, logs if not os.environ.get("PD_BENCH_LOGS") else None)
+    emit(result, ns.out)
+
+
+if __name__ == "__main__":
+    main()
