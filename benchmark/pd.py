@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 

@@ -154,7 +154,8 @@ class Scheduler:
     def check_timeouts(self) -> None:
         """Per-request deadlines and the server-wide waiting/running limits (503)."""
         now = self.ranks.now()
-        for waiting, places in ((True, (Place.WAITING, Place.GRAMMAR)), (False, (Place.RUNNING, Place.CHUNKED))):
+        for waiting, places in ((True, (Place.WAITING, Place.GRAMMAR, Place.TRANSFER)),
+                                (False, (Place.RUNNING, Place.CHUNKED))):
             for req in self.requests.find(lambda r: r.to_finish is None, *places):
                 why = deadline_passed(req, now, waiting, self.config)
                 if why:

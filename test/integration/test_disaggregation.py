@@ -24,7 +24,7 @@ pytest.importorskip("smg", reason="the smg gateway (dev extra) is not installed"
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STARTUP_S = 600.0
-TIMEOUT_S = 20  # --disaggregation-transfer-timeout of both servers
+TIMEOUT_S = 10  # --disaggregation-transfer-timeout of both servers
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -201,9 +201,54 @@ def test_a_prompt_the_prefill_server_refuses_is_answered_at_once_not_after_a_tim
     """The prefill server refuses (400) a request the decode server accepted: its rooms are
     answered with that error at once, so the decode server answers too, with the abort and
     its status, and nothing waits for the transfer timeout."""
+    before = pd.transfer("decode")
     t0 = time.monotonic()
     r = _gen(pd.url, text=PROMPT, sampling_params={**GREEDY, "max_new_tokens": 1500})  # fits 2048, not 1024
     assert r.status_code == 400, r.text
     assert time.monotonic() - t0 < TIMEOUT_S
     pd.check_clean()
-    assert pd.transfer("decode")["rooms_aborted_by_peer"] >= 1
+    after = pd.transfer("decode")
+    assert after["rooms_completed"] == before["rooms_completed"]
+    # ended by the prefill server's ABORT, or by the gateway dropping the decode leg on the 400
+    assert after["rooms_aborted_by_peer"] + after["rooms_aborted"] > before["rooms_aborted_by_peer"] + \
+        before["rooms_aborted"]
+    # straight to the decode server, no gateway: the prefill server's refusal is what ends it
+    prefill_refuses = {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 1500},
+                       "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.bootstrap_port, "bootstrap_room": 4242}
+    assert _gen(pd.prefill.base, **prefill_refuses).status_code == 400
+    t0 = time.monotonic()
+    r = _gen(pd.decode.base, **prefill_refuses)
+    assert time.monotonic() - t0 < TIMEOUT_S
+    out = r.json()
+    assert r.status_code == 400 and "context length" in r.text, r.text
+    assert pd.transfer("decode")["rooms_aborted_by_peer"] == after["rooms_aborted_by_peer"] + 1, out
+    pd.check_clean()
+
+
+@pytest.mark.slow  # waits out the transfer timeout (10 s)
+def test_a_killed_prefill_server_ends_everything_on_the_decode_side(pd):
+    """Last in the module: the prefill server dies (SIGKILL). Through the gateway the prefill leg
+    fails to connect and the gateway drops both legs (the decode server aborts its side); a
+    room sent straight to the decode server that names the dead prefill server times out and is
+    answered 503, its slots reclaimed: nothing waits forever."""
+    import shutil
+
+    from test.support.server import pid_alive
+    os.kill(pd.prefill.proc.pid, signal.SIGKILL)
+    pd.prefill.proc.wait()
+    for pid in pd.prefill.runtime.get("child_pids", {}).values():  # they die with their parent
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    shutil.rmtree(pd.prefill.runtime.get("ipc_dir", ""), ignore_errors=True)
+    r = _gen(pd.url, text=PROMPT, sampling_params=GREEDY)
+    assert r.status_code >= 500, r.text
+    t0 = time.monotonic()
+    r = _gen(pd.decode.base, text=PROMPT, sampling_params=GREEDY, bootstrap_host="127.0.0.1",
+             bootstrap_port=pd.bootstrap_port, bootstrap_room=12345)
+    waited = time.monotonic() - t0
+    assert r.status_code == 503, r.text
+    assert "timed out" in r.text and TIMEOUT_S - 1 <= waited < TIMEOUT_S + 30
+    assert pd.decode.proc.poll() is None
+    assert_idle(pd.decode, within=5)
+    assert pd.transfer("decode")["rooms_timed_out"] >= 1

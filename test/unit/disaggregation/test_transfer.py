@@ -143,11 +143,12 @@ def test_a_dropped_chunk_never_decodes_and_times_out_on_both_sides():
     pair.assert_clean()
 
 
-def test_a_chunk_after_a_decode_side_abort_is_dropped_never_written():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_chunk_after_a_decode_side_abort_is_dropped_never_written(overlap):
     """The decode side aborts while the transfer is in flight, its slots go to the next request
     at once, then the dead room's chunks arrive: they are dropped, the new request's KV is intact."""
     pair = make_pair(fault=lambda d, h: "hold" if d == "p2d" and h[0] in ("kv", "done") else "deliver",
-                     d_args={"capacity": 24})  # the next request must take the victim's slots
+                     d_args={"capacity": 24}, overlap=overlap)  # the next request must take the victim's slots
     pair.submit(PROMPT, "victim", max_new_tokens=4)
     for _ in range(6):
         pair.step()
@@ -172,8 +173,9 @@ def test_a_chunk_after_a_decode_side_abort_is_dropped_never_written():
     pair.assert_clean()
 
 
-def test_prefill_side_abort_reaches_the_decode_side_as_an_abort_not_length():
-    pair = make_pair(fault=lambda d, h: "hold" if d == "d2p" and h[0] == "want" else "deliver")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_side_abort_reaches_the_decode_side_as_an_abort_not_length(overlap):
+    pair = make_pair(fault=lambda d, h: "hold" if d == "d2p" and h[0] == "want" else "deliver", overlap=overlap)
     pair.submit(PROMPT, "c", max_new_tokens=4)
     for _ in range(6):
         pair.step()
@@ -260,6 +262,23 @@ def test_decode_side_retraction_with_hicache_loads_back_from_the_host_tier(abort
         else:
             _check_ok(pair, f"h{i}", pr, 14)
     pair.d.settle()
+    pair.assert_clean()
+
+
+def test_a_request_timeout_applies_while_it_waits_for_its_kv():
+    pair = make_pair(fault=lambda d, h: "hold" if d == "p2d" and h[0] == "done" else "deliver")
+    from radixlm.messages import TokenizedGenerateReq
+    from radixlm.sampling_params import SamplingParams
+    pair.p.scheduler.add_request(TokenizedGenerateReq(rid="t", input_ids=PROMPT, sampling_params=SamplingParams(
+        max_new_tokens=4), bootstrap=("prefill", 1, 77, 0)))
+    pair.d.scheduler.add_request(TokenizedGenerateReq(rid="t", input_ids=PROMPT, sampling_params=SamplingParams(
+        max_new_tokens=4), bootstrap=("prefill", 1, 77, 0), timeout=5.0))
+    for _ in range(5):
+        pair.step()
+    pair.d.scheduler.requests.first(Place.TRANSFER).created_time -= 10  # its deadline has passed
+    pair.run()
+    fin = _check_abort(pair, "t", 503)
+    assert pair.d.runner.tokens_computed == 0, fin
     pair.assert_clean()
 
 
