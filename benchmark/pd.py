@@ -10,8 +10,10 @@ both cores (two threads) behind `smg launch --worker-urls` (the same gateway hop
 cores and threads. Every request streams through the gateway with a prompt of its own (no
 shared prefix); reported per setup and concurrency: TTFT and inter-token latency percentiles
 (client side), output tok/s, and for the disaggregated setup the decode server's transfer
-counters: bytes, rooms and the loopback transfer rate (bytes / time from a room's first KV
-chunk to its last, as the decode server measures it).
+counters: bytes, rooms and the rate as the decode server sees it (bytes / time from a room's
+first KV chunk to its last, which includes waiting for its next loop iteration while it decodes
+other requests). `link` is the TCP backend alone: KV packed, sent over loopback, checked and
+written, in one process and thread, for SmolLM2-135M's KV shape.
 
 Caveat: on a 2-core machine disaggregation has nothing to gain in speed. Its point is that a
 long prefill never stalls the decode steps of running requests (and that each side can be
@@ -76,8 +78,9 @@ def wait_gateway(proc: ChildProcess, url: str, workers: int) -> None:
 async def one(c: httpx.AsyncClient, text: str, output_len: int) -> dict:
     body = {"text": text, "stream": True, "sampling_params": {"temperature": 0, "max_new_tokens": output_len,
                                                               "ignore_eos": True}}
-    t0 = time.perf_counter()
-    stamps: list[float] = []
+    t0 = last = time.perf_counter()
+    ttft: float | None = None
+    itl: list[float] = []
     n_tokens = 0
     async with c.stream("POST", "/generate", json=body) as r:
         r.raise_for_status()
@@ -89,10 +92,14 @@ async def one(c: httpx.AsyncClient, text: str, output_len: int) -> dict:
                 raise RuntimeError(ev)
             got = ev["meta_info"]["completion_tokens"]
             if got > n_tokens:
-                stamps += [time.perf_counter()] * (got - n_tokens)
-                n_tokens = got
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": n_tokens, "e2e": time.perf_counter() - t0}
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:  # an event with k new tokens: k gaps of (time since the last event) / k
+                    itl += [(now - last) / (got - n_tokens)] * (got - n_tokens)
+                n_tokens, last = got, now
+    assert ttft is not None, "no token came"
+    return {"ttft": ttft, "itl": itl, "tokens": n_tokens, "e2e": time.perf_counter() - t0}
 
 
 async def load(url: str, n: int, concurrency: int, words: int, output_len: int, base: int) -> dict:
@@ -109,6 +116,59 @@ async def load(url: str, n: int, concurrency: int, words: int, output_len: int, 
             "ttft_ms": {"p50": pct([r["ttft"] for r in res], 0.5), "p90": pct([r["ttft"] for r in res], 0.9)},
             "itl_ms": {"p50": pct(itl, 0.5), "p90": pct(itl, 0.9), "p99": pct(itl, 0.99)},
             "output_tok_s": round(sum(r["tokens"] for r in res) / wall, 2), "wall_s": round(wall, 2)}
+
+
+def link_throughput(tokens: int, layers: int, kv_heads: int, head_dim: int, chunk_tokens: int, reps: int) -> dict:
+    """The TCP backend alone, in one process and one thread: pack a prompt's KV (every layer's K
+    and V, float32) into chunks, send them over ZeroMQ TCP on loopback from a bootstrap server
+    to a decode link, receive, check and write them into another pool: MB/s of KV moved."""
+    import torch
+    import zmq
+
+    from radixlm.disaggregation.kv_pages import read_chunk, write_chunk
+    from radixlm.disaggregation.links import BootstrapServer, DecodeLinks
+    from radixlm.disaggregation.protocol import checksum, decode, encode, num_chunks
+
+    torch.set_num_threads(1)
+    ctx = zmq.Context()
+    port = free_port("127.0.0.1")
+    server, link = BootstrapServer(ctx, "127.0.0.1", port), DecodeLinks(ctx)
+    try:
+        link.send(("127.0.0.1", port), encode("hello", [0, 0]))
+        ident = None
+        while ident is None:
+            got = server.recv_all()
+            ident = got[0][0] if got else None
+            time.sleep(0.01)
+        size = tokens + 1
+        src = [torch.randn(size, kv_heads, head_dim) for _ in range(2 * layers)]
+        dst = [torch.zeros(size, kv_heads, head_dim) for _ in range(2 * layers)]
+        slots = torch.randperm(tokens) + 1  # scattered slots, as a pool gives them
+        n = num_chunks(tokens, chunk_tokens) * len(src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for b, buf in enumerate(src):
+                for c in range(num_chunks(tokens, chunk_tokens)):
+                    p = read_chunk(buf, slots[c * chunk_tokens:(c + 1) * chunk_tokens])
+                    server.send(ident, encode("kv", [0, 0], b, c, checksum(p), payload=p))
+            done = 0
+            while done < n:
+                for _, frames in link.recv_all():
+                    h, p = decode(frames)
+                    assert p is not None and checksum(p) == h[4]
+                    write_chunk(dst[h[2]], slots[h[3] * chunk_tokens:(h[3] + 1) * chunk_tokens], p)
+                    done += 1
+            times.append(time.perf_counter() - t0)
+        assert all(torch.equal(a[1:], b[1:]) for a, b in zip(src, dst))  # row 0: the padding slot
+        mb = sum(int(b[1:].numel()) * b.element_size() for b in src) / 1e6
+        best = min(times)
+        return {"tokens": tokens, "mb": round(mb, 1), "chunk_tokens": chunk_tokens, "best_ms": round(best * 1000, 1),
+                "mb_s": round(mb / best, 1)}
+    finally:
+        server.close()
+        link.close()
+        ctx.term()
 
 
 def transfer_stats(decode_url: str) -> dict:
@@ -174,6 +234,8 @@ def main() -> None:
                     "prompt_words": ns.prompt_words, "output_len": ns.output_len, "cores": cpus,
                     "caveat": "2 cores: each phase gets half the machine in the disaggregated setup; the transfer "
                               "is overhead with nothing to win (see the docstring)"}
+    # SmolLM2-135M's KV shape: 30 layers x 3 KV heads x 64
+    result["link"] = [link_throughput(t, 30, 3, 64, ct, 3) for t, ct in ((512, 1024), (2048, 1024), (2048, 256))]
     with open(os.devnull, "wb") as logs:
         for kind in ("disaggregated", "co_located"):
             result[kind] = run_setup(kind, ns, cpus, logs if not os.environ.get("PD_BENCH_LOGS") else None)

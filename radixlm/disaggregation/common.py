@@ -22,7 +22,7 @@ class TransferConfig:
     # side: its slots are reclaimed and its request answered with a 503.
     timeout_s: float = 30.0
     ping_s: float = 1.0  # each side pings the peers it has rooms with
-    chunk_tokens: int = 256  # tokens per KV chunk (one message per buffer and chunk)
+    chunk_tokens: int = 1024  # tokens per KV chunk (one message per buffer and chunk)
 
 
 @dataclass
