@@ -15,6 +15,11 @@ first KV chunk to its last, which includes waiting for its next loop iteration w
 other requests). `link` is the TCP backend alone: KV packed, sent over loopback, checked and
 written, in one process and thread, for SmolLM2-135M's KV shape.
 
+`co_located_one_core` is the same single server on one core and one thread: on a shared
+2-core machine a two-thread server's OpenMP regions wait for a descheduled thread at every op
+(docs/architecture.md), so the two-thread co-located numbers can be far worse than one
+thread's; this third setup separates that effect from disaggregation's.
+
 Caveat: on a 2-core machine disaggregation has nothing to gain in speed. Its point is that a
 long prefill never stalls the decode steps of running requests (and that each side can be
 sized for its phase); with one core per side, each phase gets half the machine and the
@@ -193,14 +198,15 @@ def run_setup(kind: str, ns, cpus: list[int], logs) -> dict:
             wait_gateway(procs[-1], url, 2)
         else:
             sp = free_port("127.0.0.1")
-            procs.append(serve("co-located", ns.model_path, sp, cpus, [], logs))
+            procs.append(serve("co-located", ns.model_path, sp, cpus if kind == "co_located" else cpus[:1], [], logs))
             urls = [f"http://127.0.0.1:{sp}"]
             wait_until_ready(procs, [urls[0] + "/health"], 900)
             procs.append(gateway(gw_port, ["--worker-urls", urls[0]], logs))
             wait_gateway(procs[-1], url, 1)
         asyncio.run(load(url, 2, 1, ns.prompt_words, 4, 10_000))  # warm-up (kernels, first forwards)
         before = transfer_stats(urls[1]) if kind == "disaggregated" else None
-        out: dict = {"threads": len(cpus), "servers": len(urls), "runs": []}
+        threads = 1 if kind == "co_located_one_core" else len(cpus)
+        out: dict = {"threads": threads, "servers": len(urls), "runs": []}
         for k, conc in enumerate(int(c) for c in ns.concurrency.split(",")):
             out["runs"].append(asyncio.run(load(url, ns.requests, conc, ns.prompt_words, ns.output_len, 1000 * (k + 1))))
         if before is not None:
@@ -237,7 +243,7 @@ def main() -> None:
     # SmolLM2-135M's KV shape: 30 layers x 3 KV heads x 64
     result["link"] = [link_throughput(t, 30, 3, 64, ct, 3) for t, ct in ((512, 1024), (2048, 1024), (2048, 256))]
     with open(os.devnull, "wb") as logs:
-        for kind in ("disaggregated", "co_located"):
+        for kind in ("disaggregated", "co_located", "co_located_one_core"):
             result[kind] = run_setup(kind, ns, cpus, logs if not os.environ.get("PD_BENCH_LOGS") else None)
     emit(result, ns.out)
 

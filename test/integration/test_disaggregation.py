@@ -147,12 +147,15 @@ def test_streaming_n_and_a_shared_prefix_reused_on_the_prefill_side(pd):
     assert pd.prefill.info()["num_cached_tokens"] - cached_before >= 40
     for out, q in ((a, "Question one?"), (b, "Question two?")):
         assert out["output_ids"] == _gen(pd.prefill.base, text=system + q, sampling_params=GREEDY).json()["output_ids"]
-    # logprobs: the first output token's comes from the prefill server
-    lp = _gen(pd.url, text=PROMPT, return_logprob=True, sampling_params=GREEDY).json()
-    ref_lp = _gen(pd.prefill.base, text=PROMPT, return_logprob=True, sampling_params=GREEDY).json()
-    got = [round(x[0], 4) for x in lp["meta_info"]["output_token_logprobs"]]
-    want = [round(x[0], 4) for x in ref_lp["meta_info"]["output_token_logprobs"]]
-    assert got == want
+    # logprobs: the first output token's comes from the prefill server; the prompt's are the
+    # prefill server's, merged by the gateway before the decode server's (none) in a non-streamed answer
+    lp = _gen(pd.url, text=PROMPT, return_logprob=True, logprob_start_len=0, sampling_params=GREEDY).json()
+    ref_lp = _gen(pd.prefill.base, text=PROMPT, return_logprob=True, logprob_start_len=0,
+                  sampling_params=GREEDY).json()
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        got = [(None if x[0] is None else round(x[0], 4), x[1]) for x in lp["meta_info"][key]]
+        want = [(None if x[0] is None else round(x[0], 4), x[1]) for x in ref_lp["meta_info"][key]]
+        assert got == want, key
     pd.check_clean()
 
 
