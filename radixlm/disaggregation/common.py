@@ -10,8 +10,9 @@ from typing import Any
 from radixlm.disaggregation.kv_pages import KVBuffers
 from radixlm.disaggregation.links import Link
 from radixlm.disaggregation.protocol import PING, decode, encode
+from radixlm.scheduler.scheduler import Scheduler
 
-__all__ = ["TransferConfig", "TransferStats", "PeerBook"]
+__all__ = ["TransferConfig", "TransferStats", "PeerBook", "TransferSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +53,18 @@ class PeerBook:
     heard: dict[Hashable, float] = field(default_factory=dict)
     _last_ping: float = 0.0
 
-    def receive(self, stats: TransferStats) -> list[tuple[Hashable, tuple[Any, ...], bytes | None]]:
+    def dispatch(self, stats: TransferStats, handle: Callable[[Hashable, tuple[Any, ...], bytes | None], None]) -> None:
+        """Every message waiting now to `handle`; a malformed one is counted and dropped."""
         now = self.clock()
-        out = []
         for peer, frames in self.link.recv_all():
             self.heard[peer] = now
             try:
                 header, payload = decode(frames)
-            except ValueError as e:
+                if header[0] != PING:
+                    handle(peer, header, payload)
+            except (TypeError, ValueError, IndexError) as e:
                 stats.bad_messages += 1
                 logger.warning("dropped a malformed disaggregation message: %s", e)
-                continue
-            if header[0] != PING:
-                out.append((peer, header, payload))
-        return out
 
     def silent_since(self, peer: Hashable | None, since: float) -> float:
         """Seconds of silence of `peer` for a room whose own last progress was at `since`."""
@@ -81,6 +80,21 @@ class PeerBook:
             self.link.send(peer, encode(PING))
 
 
-def kv_layout(buffers: KVBuffers) -> list[int]:
-    from radixlm.disaggregation.kv_pages import layout
-    return layout(buffers())
+@dataclass
+class TransferSide:
+    """What both sides are built from: the scheduler they drive, their link and KV buffers."""
+    scheduler: Scheduler
+    link: Link
+    kv_buffers: KVBuffers
+    config: TransferConfig = field(default_factory=TransferConfig)
+    counters: TransferStats = field(default_factory=TransferStats)
+
+    def __post_init__(self) -> None:
+        self.peers = PeerBook(self.link, self.config)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.peers.clock
+
+    def wait_sockets(self) -> list[Any]:
+        return self.link.sockets()

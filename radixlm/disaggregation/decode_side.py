@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.core import FinishReason, Req
-from radixlm.disaggregation.common import PeerBook, TransferConfig, TransferStats
-from radixlm.disaggregation.kv_pages import KVBuffers, layout, write_chunk
-from radixlm.disaggregation.links import Link
+from radixlm.disaggregation.common import TransferSide
+from radixlm.disaggregation.kv_pages import layout, write_chunk
 from radixlm.disaggregation.protocol import (ABORT, ACK, DONE, HELLO, KV, WANT, RoomKey, bootstrap_of, checksum,
                                              encode, num_chunks, room_key)
 from radixlm.scheduler.output import append_token
 from radixlm.scheduler.requests import Place
-from radixlm.scheduler.scheduler import Scheduler
 
 __all__ = ["DecodeTransfer"]
 
@@ -56,20 +54,8 @@ class DecodeRoom:
 
 
 @dataclass
-class DecodeTransfer:
-    scheduler: Scheduler
-    link: Link
-    kv_buffers: KVBuffers
-    config: TransferConfig = field(default_factory=TransferConfig)
+class DecodeTransfer(TransferSide):
     rooms: dict[RoomKey, DecodeRoom] = field(default_factory=dict)
-    counters: TransferStats = field(default_factory=TransferStats)
-
-    def __post_init__(self) -> None:
-        self.peers = PeerBook(self.link, self.config)
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.peers.clock
 
     # ------------------------------------------------------------ scheduler hooks
     def take_new(self, req: Req) -> bool:
@@ -115,21 +101,13 @@ class DecodeTransfer:
             self.link.send((host, port), encode(ABORT, RoomKey(room, child), message, status_code))
 
     def poll(self) -> None:
-        for peer, header, payload in self.peers.receive(self.counters):
-            try:
-                self._on_message(header, payload)
-            except (TypeError, ValueError, IndexError) as e:
-                self.counters.bad_messages += 1
-                logger.warning("dropped a bad %s message: %s", header[0], e)
+        self.peers.dispatch(self.counters, self._on_message)
         self._allocate()
         self._expire()
         self.peers.ping({r.peer for r in self.rooms.values() if not r.complete})
 
     def busy(self) -> bool:
         return any(not r.complete for r in self.rooms.values())
-
-    def wait_sockets(self) -> list[Any]:
-        return self.link.sockets()
 
     def stats(self) -> dict[str, Any]:
         return {"mode": "decode", "rooms": sum(not r.complete for r in self.rooms.values()),
@@ -159,7 +137,7 @@ class DecodeTransfer:
             self.link.send(room.peer, encode(WANT, key, room.start, need, ct, layout(self.kv_buffers())))
 
     # ------------------------------------------------------------ messages
-    def _on_message(self, header: tuple[Any, ...], payload: bytes | None) -> None:
+    def _on_message(self, peer: Hashable, header: tuple[Any, ...], payload: bytes | None) -> None:
         kind, key = header[0], RoomKey(int(header[1][0]), int(header[1][1]))
         room = self.rooms.get(key)
         live = room is not None and room.allocated and not room.complete and not room.req.finished \

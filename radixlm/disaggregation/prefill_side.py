@@ -18,18 +18,16 @@ tombstone and answers its HELLO or WANT with that ABORT.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.core import FinishReason, Req
-from radixlm.disaggregation.common import PeerBook, TransferConfig, TransferStats
-from radixlm.disaggregation.kv_pages import KVBuffers, layout, read_chunk
-from radixlm.disaggregation.links import Link
+from radixlm.disaggregation.common import TransferSide
+from radixlm.disaggregation.kv_pages import layout, read_chunk
 from radixlm.disaggregation.protocol import (ABORT, ACK, DONE, HELLO, KV, WANT, RoomKey, bootstrap_of, checksum,
                                              encode, num_chunks, room_key)
 from radixlm.scheduler.requests import Place
-from radixlm.scheduler.scheduler import Scheduler
 
 __all__ = ["PrefillTransfer"]
 
@@ -66,22 +64,10 @@ class Early:
 
 
 @dataclass
-class PrefillTransfer:
-    scheduler: Scheduler
-    link: Link
-    kv_buffers: KVBuffers
-    config: TransferConfig = field(default_factory=TransferConfig)
+class PrefillTransfer(TransferSide):
     rooms: dict[RoomKey, PrefillRoom] = field(default_factory=dict)
     early: dict[RoomKey, Early] = field(default_factory=dict)
     tombstones: dict[RoomKey, tuple[str, int, float]] = field(default_factory=dict)
-    counters: TransferStats = field(default_factory=TransferStats)
-
-    def __post_init__(self) -> None:
-        self.peers = PeerBook(self.link, self.config)
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.peers.clock
 
     # ------------------------------------------------------------ scheduler hooks
     def take_new(self, req: Req) -> bool:
@@ -138,26 +124,18 @@ class PrefillTransfer:
             self._tombstone(RoomKey(boot[2], boot[3]), FinishReason.abort(message, status_code))
 
     def poll(self) -> None:
-        for peer, header, payload in self.peers.receive(self.counters):
-            try:
-                self._on_message(peer, header)
-            except (TypeError, ValueError, IndexError) as e:
-                self.counters.bad_messages += 1
-                logger.warning("dropped a bad %s message: %s", header[0], e)
+        self.peers.dispatch(self.counters, self._on_message)
         self._expire()
         self.peers.ping({r.peer for r in self.rooms.values() if r.peer is not None})
 
     def busy(self) -> bool:
         return bool(self.rooms or self.early)
 
-    def wait_sockets(self) -> list[Any]:
-        return self.link.sockets()
-
     def stats(self) -> dict[str, Any]:
         return {"mode": "prefill", "rooms": len(self.rooms), **self.counters.as_dict()}
 
     # ------------------------------------------------------------ messages
-    def _on_message(self, peer: Hashable, header: tuple[Any, ...]) -> None:
+    def _on_message(self, peer: Hashable, header: tuple[Any, ...], payload: bytes | None) -> None:
         kind, key = header[0], RoomKey(int(header[1][0]), int(header[1][1]))
         room = self.rooms.get(key)
         if kind in (HELLO, WANT):
