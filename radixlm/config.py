@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
+    from radixlm.speculative.drafter import NgramConfig
     from radixlm.srt.model_runner.config import RunnerConfig
     from radixlm.validation import RequestLimits
 
@@ -151,6 +152,16 @@ class ServerArgs:
                         "NCCL on CUDA, one GPU each); attention is split by KV-head groups", default=1)
     dist_timeout: float = _opt("seconds a collective between ranks (or with a trainer's weight update group) "
                                "may wait before failing", default=300.0)
+    # ---- speculative decoding (docs/speculative.md; radixlm/speculative) ----
+    speculative_algorithm: str | None = _opt("ngram: draft tokens from the request's own context and an index of "
+                                             "recent requests, verified in one forward (cpu attention backend, "
+                                             "overlap off, tp 1)", choices=(None, "ngram"), default=None)
+    speculative_num_draft_tokens: int = _opt("draft tokens verified per request per step at most", default=8)
+    speculative_ngram_min_match_window_size: int = _opt("shortest suffix looked up for a draft", default=1)
+    speculative_ngram_max_match_window_size: int = _opt("longest suffix looked up for a draft", default=12)
+    speculative_ngram_capacity: int = _opt("entries of the cross-request n-gram index (~180 B each; 0: own "
+                                           "context only)", default=1 << 18)
+    # ---- end speculative decoding ----
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -197,7 +208,18 @@ class ServerArgs:
             retraction_policy=self.retraction_policy, random_seed=self.random_seed,
             max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
             request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
-            stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity)
+            stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity,
+            speculative=self.ngram_config())
+
+    def ngram_config(self) -> "NgramConfig | None":
+        """The n-gram drafter's flags (None: speculation off); NgramConfig checks them."""
+        if self.speculative_algorithm is None:
+            return None
+        from radixlm.speculative.drafter import NgramConfig
+        return NgramConfig(num_draft_tokens=self.speculative_num_draft_tokens,
+                           min_match_window=self.speculative_ngram_min_match_window_size,
+                           max_match_window=self.speculative_ngram_max_match_window_size,
+                           capacity=self.speculative_ngram_capacity)
 
     def runner_config(self) -> "RunnerConfig":
         from radixlm.srt.model_runner.config import RunnerConfig
@@ -257,6 +279,9 @@ class ServerArgs:
             raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
+        if self.speculative_algorithm is not None:
+            from radixlm.speculative.setup import check_speculative_args
+            check_speculative_args(self)
         for f in dataclasses.fields(self):
             choices = field_choices(f.name, f.metadata)
             if choices and getattr(self, f.name) not in choices:

@@ -135,7 +135,8 @@ class ErrorBoundary:
                                                                              error.__traceback__)))
         n = len(batch.reqs)
         out = BatchResult([None] * n, [None] * n, [None] * n, [None] * n, [None] * n,
-                          [None] * n if batch.grammars is not None else None)
+                          [None] * n if batch.grammars is not None else None,
+                          [None] * n if batch.drafts is not None else None)
         start = 0
         for i, req in enumerate(batch.reqs):
             lo, start = start, start + batch.extend_lens[i]
@@ -158,6 +159,8 @@ class ErrorBoundary:
             out.input_top_logprobs[i] = res.input_top_logprobs[0]
             if out.grammar_status is not None and res.grammar_status is not None:
                 out.grammar_status[i] = res.grammar_status[0]
+            if out.verified is not None and res.verified is not None:
+                out.verified[i] = res.verified[0]
         return out
 
     def _fail_row(self, req: Req, exc: BaseException) -> None:
@@ -188,4 +191,5 @@ def _row(batch: WorkerBatch, i: int, lo: int) -> WorkerBatch:
                        input_logprob_targets=[batch.input_logprob_targets[i]] if batch.input_logprob_targets
                        else [],
                        output_snapshots=[list(req.output_ids)] if batch.output_snapshots is not None else None,
-                       grammars=[batch.grammars[i]] if batch.grammars is not None else None)
+                       grammars=[batch.grammars[i]] if batch.grammars is not None else None,
+                       drafts=[batch.drafts[i]] if batch.drafts is not None else None)
