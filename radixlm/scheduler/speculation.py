@@ -57,6 +57,8 @@ class SpecStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_dropped_for_memory: int = 0  # draft tokens cut because the step had no room for them
+    spec_cut_runs: int = 0  # verified runs a finish (EOS, stop string, length...) ended early
+    spec_dropped_steps: int = 0  # rows whose step was dropped whole (ended while it ran)
 
 
 class Speculation:
@@ -122,6 +124,7 @@ class Speculation:
                 # delivered and none of its KV kept.
                 self.cache.rollback(req, k + 1)
                 req.check_finished()
+                self.stats.spec_dropped_steps += 1
                 finished.append(req)
                 continue
             status = result.grammar_status[i] if result.grammar_status is not None else None
@@ -129,10 +132,12 @@ class Speculation:
             with s.boundary.guard(req, "processing its output"):
                 self._accept_run(s, req, v, status)
             kept = len(req.output_ids) - before
+            self.stats.spec_cut_runs += kept < len(v.tokens)
             # The kept tokens' inputs (last, d_1..d_{kept-1}) hold KV now; the rest goes back.
             self.cache.commit(req, kept)
             self.cache.rollback(req, k + 1 - kept)
             self._count(req, k, v.truncated(kept).num_accepted if kept else 0)
+            s.stats.num_decode_tokens += max(kept - 1, 0)  # the step's row was counted once already
             if req.finish_reason is not None:
                 finished.append(req)
             else:

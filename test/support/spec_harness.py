@@ -10,6 +10,8 @@ from radixlm.sampling_params import SamplingParams
 from radixlm.scheduler.requests import HOLDS_KV
 from radixlm.scheduler.scheduler import Scheduler
 
+from test.support.scheduler_harness import Harness, make_harness
+
 SPEC = {"speculative_algorithm": "ngram", "disable_overlap_schedule": True}
 
 
@@ -18,6 +20,22 @@ def assert_no_draft_slots(s: Scheduler) -> None:
     for req in s.requests.find(lambda r: r.req_pool_idx is not None, *HOLDS_KV):
         assert req.kv_allocated_len == req.kv_committed_len, (
             f"{req.rid}: kv_allocated_len {req.kv_allocated_len} != kv_committed_len {req.kv_committed_len}")
+
+
+def make_spec_harness(**kw) -> Harness:
+    """The fake-runner harness with n-gram speculation on (overlap off, as it must be)."""
+    return make_harness(speculative_algorithm="ngram", disable_overlap_schedule=True, enable_overlap_schedule=False,
+                        **kw)
+
+
+def run_checked(h: Harness, max_steps: int = 100_000) -> None:
+    """h.run() with the draft-slot invariant after every step too."""
+    for _ in range(max_steps):
+        if not h.scheduler.step():
+            return
+        h.scheduler.check_integrity()
+        assert_no_draft_slots(h.scheduler)
+    raise AssertionError("scheduler did not become idle")
 
 
 @dataclass

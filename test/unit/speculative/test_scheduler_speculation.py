@@ -1,0 +1,291 @@
+"""Speculation inside the scheduler, over the KV-checking fake model: outputs equal plain
+decoding, drafts stop where a finish lands inside an accepted run, and no draft slot outlives
+its step on any stop path (abort, retraction, pause, errors), with check_integrity and
+kv_allocated_len == kv_committed_len after every step.
+
+memory=1 makes the fake's next token a function of the last token alone (vocab 13), so the
+text cycles and drafts get accepted; memory=None (the whole sequence) makes drafts fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from radixlm.config import ServerArgs
+from radixlm.messages import AbortReq
+from radixlm.scheduler.config import SchedulerConfig
+from radixlm.scheduler.output import StopStringChecker
+from radixlm.scheduler.scheduler import Scheduler
+from radixlm.speculative.drafter import NgramConfig
+
+from test.support.fake_runner import reference_output
+from test.support.spec_harness import assert_no_draft_slots, make_spec_harness, run_checked
+
+V = 13
+
+
+def _prompt(n: int, seed: int, vocab: int = V) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _spec(h) -> dict:
+    return {k: v for k, v in h.scheduler.get_info().items() if k.startswith("spec")}
+
+
+@pytest.mark.parametrize("memory", [1, None], ids=["repeating", "not-repeating"])
+def test_outputs_equal_plain_decoding(memory):
+    h = make_spec_harness(vocab=V, memory=memory)
+    prompts = [_prompt(3 + i, i) for i in range(6)]
+    rids = [h.submit(p, max_new_tokens=30 + 7 * i) for i, p in enumerate(prompts)]
+    run_checked(h)
+    for i, (rid, p) in enumerate(zip(rids, prompts, strict=True)):
+        assert h.tokens(rid) == reference_output(p, 30 + 7 * i, V, memory)
+        fin = h.final(rid)
+        assert fin.spec_verify_ct is not None and fin.spec_verify_ct < len(h.tokens(rid))
+    spec = _spec(h)
+    if memory == 1:
+        assert spec["spec_accepted_tokens"] > 50 and spec["spec_accept_length"] > 2
+    else:  # drafts mostly fail here: the adaptive rule keeps them short (well under 1 per row-step)
+        assert spec["spec_accept_rate"] < 0.3
+        assert 0 < spec["spec_draft_tokens"] < spec["spec_verify_rows"]
+    h.assert_idle_and_conserved()
+
+
+def test_second_request_drafts_from_the_index_and_max_new_tokens_is_exact():
+    h = make_spec_harness(vocab=97)  # whole-sequence model: only the index can predict it
+    p = _prompt(12, 5, 97)
+    first = h.submit(p, max_new_tokens=40)
+    run_checked(h)
+    for n in (1, 2, 9, 17, 40):
+        rid = h.submit(p, max_new_tokens=n)
+        run_checked(h)
+        assert h.tokens(rid) == reference_output(p, n, 97) == h.tokens(first)[:n]
+        if n > 9:
+            assert h.final(rid).spec_accepted_tokens >= n - 1 - h.final(rid).spec_verify_ct
+    h.assert_idle_and_conserved()
+
+
+def test_eos_inside_an_accepted_run_ends_there():
+    p = _prompt(4, 9)
+    ref = reference_output(p, 60, V, 1)
+    eos = ref[25]  # appears earlier in the cycle too: the finish lands at its first occurrence
+    h = make_spec_harness(vocab=V, memory=1, eos=(eos,))
+    warm = h.submit(p, max_new_tokens=60, ignore_eos=True)
+    run_checked(h)
+    rid = h.submit(p, max_new_tokens=60)
+    run_checked(h)
+    assert h.tokens(warm) == ref
+    first = ref.index(eos)
+    assert h.tokens(rid) == ref[:first + 1]
+    assert h.final(rid).finish_reason == {"type": "stop", "matched": eos}
+    assert _spec(h)["spec_cut_runs"] >= 1
+    h.assert_idle_and_conserved()
+
+
+class _SpaceTokenizer:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+def test_stop_string_inside_an_accepted_run_ends_there():
+    p = _prompt(4, 11)
+    ref = reference_output(p, 60, V, 1)
+    stop = f"<{ref[20]}><{ref[21]}>"
+    first = next(j for j in range(1, 60) if f"<{ref[j - 1]}><{ref[j]}>" == stop)
+    h = make_spec_harness(vocab=V, memory=1)
+    h.scheduler.stop_checker = StopStringChecker(_SpaceTokenizer())
+    h.submit(p, max_new_tokens=60)
+    run_checked(h)
+    cuts = _spec(h)["spec_cut_runs"]
+    rid = h.submit(p, max_new_tokens=60, stop=[stop])
+    run_checked(h)
+    assert h.tokens(rid) == ref[:first + 1]  # the scheduler keeps the stop string's tokens (detokenizer trims)
+    assert h.final(rid).finish_reason == {"type": "stop", "matched": stop}
+    assert _spec(h)["spec_cut_runs"] > cuts
+    h.assert_idle_and_conserved()
+
+
+def test_logprobs_of_accepted_tokens_are_delivered():
+    h = make_spec_harness(vocab=V, memory=1)
+    p = _prompt(5, 3)
+    h.submit(p, max_new_tokens=40)
+    run_checked(h)
+    from radixlm.messages import TokenizedGenerateReq
+    from radixlm.sampling_params import SamplingParams
+    h.scheduler.add_request(TokenizedGenerateReq(rid="lp", input_ids=p, return_logprob=True, top_logprobs_num=1,
+                                                 sampling_params=SamplingParams.from_dict({"max_new_tokens": 40})))
+    run_checked(h)
+    toks = h.tokens("lp")
+    lps = [x for o in h.outputs["lp"] for x in o.output_token_logprobs]
+    tops = [x for o in h.outputs["lp"] for x in o.output_top_logprobs]
+    assert [t for _, t in lps] == toks and len(tops) == len(toks) == 40
+    assert h.final("lp").spec_accepted_tokens > 20
+
+
+def test_a_row_ended_during_its_step_delivers_nothing_of_it():
+    """to_finish set while the step runs (what the error boundary does to a failed row):
+    none of the row's emitted tokens is delivered and all its step's slots are freed."""
+    h = make_spec_harness(vocab=V, memory=1)
+    p = _prompt(4, 2)
+    h.submit(p, max_new_tokens=50)
+    run_checked(h)
+    victim = h.submit(p, max_new_tokens=50, stream=True)
+    seen: dict = {}
+
+    def end_victim(batch):
+        if batch.drafts is not None and any(batch.drafts) and not seen:
+            req = batch.reqs[0]
+            seen["len"] = len(req.output_ids)
+            from radixlm.core import FinishReason
+            req.to_finish = FinishReason.abort("ended during the step")
+
+    h.runner.fail_forward = end_victim
+    run_checked(h)
+    assert seen, "no speculative step ran"
+    assert len(h.tokens(victim)) == seen["len"]
+    assert h.final(victim).finish_reason["type"] == "abort"
+    assert _spec(h)["spec_dropped_steps"] == 1
+    h.assert_idle_and_conserved()
+
+
+def test_failed_speculative_forward_is_replayed_row_by_row():
+    h = make_spec_harness(vocab=V, memory=1)
+    prompts = [_prompt(4, 20 + i) for i in range(3)]
+    for p in prompts:
+        h.submit(p, max_new_tokens=40)
+    run_checked(h)
+    rids = [h.submit(p, max_new_tokens=40) for p in prompts]
+    failed = []
+
+    def fail_once(batch):
+        if len(batch.reqs) > 1 and batch.has_drafts and not failed:
+            failed.append(1)
+            raise RuntimeError("injected")
+
+    h.runner.fail_forward = fail_once
+    run_checked(h)
+    assert failed and h.scheduler.stats.num_batch_replays == 1
+    for rid, p in zip(rids, prompts, strict=True):
+        assert h.tokens(rid) == reference_output(p, 40, V, 1)
+    h.assert_idle_and_conserved()
+
+
+def test_drafts_never_cause_a_retraction():
+    """With room for every row's decode slot and 3 more, the full-length drafts are cut to 3
+    tokens in all, and nobody is retracted."""
+    prompts = [reference_output(_prompt(4, 40 + i), 20, V, 1) for i in range(8)]  # in the cycle: long drafts
+    h = make_spec_harness(vocab=V, memory=1, disable_cache=True)
+    s = h.scheduler
+    rids = [h.submit(p, max_new_tokens=30) for p in prompts]
+    for _ in range(4):
+        s.step()
+    assert len(s.running) == 8 and _spec(h)["spec_draft_tokens"] > 0
+    taken = h.cache.allocator.alloc(h.cache.available() - 8 - 3)  # the rest of the pool is someone else's
+    drafted, dropped = _spec(h)["spec_draft_tokens"], _spec(h)["spec_dropped_for_memory"]
+    checked, s.config = s.config, dataclasses.replace(s.config, debug_check_integrity=False)  # slots taken
+    s.step()
+    s.config = checked
+    assert s.stats.num_retractions == 0
+    assert _spec(h)["spec_draft_tokens"] - drafted == 3 and _spec(h)["spec_dropped_for_memory"] > dropped
+    assert_no_draft_slots(s)
+    h.cache.allocator.free(taken)
+    run_checked(h)
+    for rid, p in zip(rids, prompts, strict=True):
+        assert h.tokens(rid) == reference_output(p, 30, V, 1)
+    h.assert_idle_and_conserved()
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_modes_with_speculation(mode):
+    h = make_spec_harness(vocab=V, memory=1)
+    prompts = [_prompt(5, 60 + i) for i in range(3)]
+    rids = [h.submit(p, max_new_tokens=40, stream=True) for p in prompts]
+    for _ in range(6):
+        h.scheduler.step()
+        assert_no_draft_slots(h.scheduler)
+    h.scheduler.pause(mode)
+    assert_no_draft_slots(h.scheduler)
+    h.scheduler.check_integrity()
+    h.scheduler.resume()
+    run_checked(h)
+    for rid, p in zip(rids, prompts, strict=True):
+        toks = h.tokens(rid)
+        assert toks == reference_output(p, 40, V, 1)[:len(toks)]
+        if mode != "abort":
+            assert len(toks) == 40
+    h.assert_idle_and_conserved()
+
+
+@pytest.mark.parametrize("memory", [1, None], ids=["repeating", "not-repeating"])
+def test_storm_of_aborts_retractions_and_pauses(memory):
+    rng = random.Random(17)
+    h = make_spec_harness(vocab=V, memory=memory, capacity=220, max_running=16, chunk=16,
+                          schedule_conservativeness=0.3)
+    s = h.scheduler
+    expect: dict[str, list[int]] = {}
+    live: list[str] = []
+    for i in range(160):
+        p = _prompt(rng.randrange(3, 30), 500 + i)
+        n = rng.randrange(1, 50)
+        rid = h.submit(p, rid=f"s{i}", max_new_tokens=n, stream=bool(i % 2))
+        expect[rid] = reference_output(p, n, V, memory)
+        live.append(rid)
+        for _ in range(rng.randrange(0, 4)):
+            s.step()
+            s.check_integrity()
+            assert_no_draft_slots(s)
+        roll = rng.random()
+        if roll < 0.15:
+            s.abort(AbortReq(rid=rng.choice(live)))
+        elif roll < 0.17:
+            s.pause(rng.choice(["retract", "in_place"]))
+            assert_no_draft_slots(s)
+            s.resume()
+        elif roll < 0.175:
+            s.abort(AbortReq(abort_all=True))
+        s.check_integrity()
+    run_checked(h)
+    assert s.stats.num_retractions > 0
+    aborted = 0
+    for rid, ref in expect.items():
+        fin = h.final(rid)  # exactly one terminal output, and nothing after it
+        toks = h.tokens(rid)
+        assert toks == ref[:len(toks)], rid
+        if fin.finish_reason["type"] == "abort":
+            aborted += 1
+        else:
+            assert toks == ref, rid
+    assert aborted > 5
+    if memory == 1:
+        assert _spec(h)["spec_accepted_tokens"] > 100
+    h.assert_idle_and_conserved()
+
+
+def test_flush_cache_flushes_the_index():
+    h = make_spec_harness(vocab=V, memory=1)
+    h.submit(_prompt(4, 1), max_new_tokens=20)
+    run_checked(h)
+    assert _spec(h)["spec_index_entries"] > 0
+    assert h.scheduler.flush_cache()
+    assert _spec(h)["spec_index_entries"] == 0
+
+
+def test_speculation_refuses_what_it_cannot_run():
+    base = {"speculative_algorithm": "ngram"}
+    for bad, word in [({"enable_overlap_schedule": True}, "overlap"), ({"tp_size": 2}, "tp_size"),
+                      ({"attention_backend": "torch_native"}, "cpu"), ({"device": "cuda"}, "CPU"),
+                      ({"speculative_num_draft_tokens": -1}, "speculative_num_draft_tokens"),
+                      ({"speculative_ngram_min_match_window_size": 5,
+                        "speculative_ngram_max_match_window_size": 2}, "window"),
+                      ({"speculative_algorithm": "eagle"}, "speculative_algorithm")]:
+        with pytest.raises(ValueError, match=word):
+            ServerArgs.from_kwargs(**{**base, **bad})
+    ok = ServerArgs.from_kwargs(**base, speculative_num_draft_tokens=4, speculative_ngram_capacity=0)
+    assert ok.ngram_config() == NgramConfig(num_draft_tokens=4, capacity=0)
+    h = make_spec_harness()
+    with pytest.raises(ValueError, match="overlap"):
+        Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=None, overlap=True,
+                                  speculative=NgramConfig()), h.runner, h.cache)
