@@ -84,7 +84,7 @@ def in_process(model_dir: str, **kw) -> InProcess:
     from radixlm.srt.scheduler_process import build_scheduler
 
     args = ServerArgs.from_kwargs(model_path=model_dir, dtype="float32", attention_backend="cpu",
-                                  debug_check_integrity=True, **{"max_total_tokens": 4096, **kw})
+                                  **{"max_total_tokens": 4096, **kw})  # run() checks integrity
     h = InProcess(None)  # type: ignore[arg-type]
     h.scheduler, _ = build_scheduler(args, h.on_output)
     return h
