@@ -289,3 +289,20 @@ def test_speculation_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="overlap"):
         Scheduler(SchedulerConfig(max_running_requests=4, chunked_prefill_size=None, overlap=True,
                                   speculative=NgramConfig()), h.runner, h.cache)
+
+
+def test_grammar_rows_decode_one_token_a_step_beside_drafted_rows():
+    from test.support.fake_grammar import FakeGrammarBackend, constrained_reference
+    h = make_spec_harness(vocab=97, grammar_backend=FakeGrammarBackend())
+    p = _prompt(8, 4, 97)
+    first = h.submit(p, max_new_tokens=30)
+    run_checked(h)
+    spec = "mod=3,len=12"
+    g = h.submit(_prompt(9, 5, 97), max_new_tokens=20, regex=spec)
+    again = h.submit(p, max_new_tokens=30)  # drafts from the index, in the same batches
+    run_checked(h)
+    want, kind = constrained_reference(_prompt(9, 5, 97), spec, 20)
+    assert h.tokens(g) == want and h.final(g).finish_reason["type"] == kind
+    assert h.final(g).spec_draft_tokens == 0
+    assert h.tokens(again) == h.tokens(first) and h.final(again).spec_accepted_tokens > 10
+    h.assert_idle_and_conserved()
