@@ -1,5 +1,6 @@
 """N-gram speculative decoding, on and off: single-stream decode ms/token and batch throughput
-on a workload that repeats its context (code editing: "rename X in this file and print it")
+on a workload that repeats its context (code editing: "rename X in this file and print it", the
+answer started with the file's first line)
 and on the chat workload of serving.py; prints one JSON object.
 
     python benchmark/speculative.py [--output-len 64] [--single 3] [--batch 32] [--peer llamacpp,vllm]
@@ -42,12 +43,15 @@ STYLES = ["Explain {} to a child.", "Write a short essay about {}.", "List five 
           "Summarize what is known about {}."]  # serving.py's chat workload
 
 
-def _chat(tokenizer, text: str) -> list[int]:
+def _chat(tokenizer, text: str, answer_start: str = "") -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return ids + (tokenizer.encode(answer_start, add_special_tokens=False) if answer_start else [])
 
 
 def code_edit_prompts(tokenizer, n: int) -> list[list[int]]:
+    """An editing request over a file, with the answer started as an editor would prime it
+    (the code fence and the file's first line): the default 135M model then mostly copies."""
     out = []
     for i in range(n):
         with open(os.path.join(ROOT, CODE_FILES[i % len(CODE_FILES)])) as f:
@@ -55,7 +59,7 @@ def code_edit_prompts(tokenizer, n: int) -> list[list[int]]:
         words = Counter(w for w in re.findall(r"\b[a-z_][a-z0-9_]{4,}\b", src) if w not in ("return", "import"))
         name = words.most_common(1 + i // len(CODE_FILES))[-1][0]
         text = f"Rename `{name}` to `{name}_v2` in this file and print the whole file.\n```python\n{src}\n```"
-        out.append(_chat(tokenizer, text))
+        out.append(_chat(tokenizer, text, "```python\n" + src.split("\n")[0] + "\n"))
     return out
 
 
