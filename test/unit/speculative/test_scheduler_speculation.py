@@ -309,3 +309,21 @@ def test_grammar_rows_decode_one_token_a_step_beside_drafted_rows():
     assert h.final(g).spec_draft_tokens == 0
     assert h.tokens(again) == h.tokens(first) and h.final(again).spec_accepted_tokens > 10
     h.assert_idle_and_conserved()
+
+
+def test_counters_reach_metrics_and_meta_info():
+    from radixlm.srt.metrics import RuntimeMetrics
+    from radixlm.srt.results import spec_meta
+
+    h = make_spec_harness(vocab=V, memory=1)
+    rid = h.submit(_prompt(4, 8), max_new_tokens=40)
+    run_checked(h)
+    info = h.scheduler.get_info()
+    text = RuntimeMetrics().render(info).decode()
+    assert f"radixlm:spec_accepted_tokens_total {float(info['spec_accepted_tokens'])}" in text
+    assert "radixlm:spec_accept_rate " in text and "sglang:spec_accept_length{" in text
+    fin = h.final(rid)
+    meta = spec_meta(fin.spec_verify_ct, fin.spec_draft_tokens, fin.spec_accepted_tokens)
+    # emitted tokens per verify step: every decode token came from a verify step (the first from the prefill)
+    assert meta["spec_accept_length"] == round((fin.completion_tokens - 1) / fin.spec_verify_ct, 4)
+    assert 0 < meta["spec_accept_rate"] <= 1 and meta["spec_verify_ct"] == fin.spec_verify_ct
