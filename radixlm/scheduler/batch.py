@@ -44,6 +44,10 @@ class WorkerBatch:
     # Speculative decoding: each row's draft tokens, verified in this step (None: a plain
     # step). A row with drafts d is the extend [last, *d] over its KV (docs/speculative.md).
     drafts: list[list[int]] | None = None
+    # Grammar rows' masks at every verified position (int32 [sum(len(d) + 1), ceil(V / 32)]) and
+    # the flat positions they cover, filled by the scheduler before the forward (None: no grammar row).
+    draft_bitmask: torch.Tensor | None = None
+    draft_mask_rows: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:

@@ -72,7 +72,7 @@ class Scheduler:
             if config.overlap:
                 from radixlm.speculative.setup import WHY_NO_OVERLAP
                 raise ValueError(f"speculative decoding refuses overlap scheduling: {WHY_NO_OVERLAP}")
-            self.speculation = Speculation(config.speculative, cache, runner.max_context_len)
+            self.speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size)
 
     # ================================================================ where requests are
     @property

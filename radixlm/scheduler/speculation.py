@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from radixlm.core import Req
 from radixlm.scheduler.batch import BatchResult, WorkerBatch
 from radixlm.scheduler.batch_builder import draft_batch
@@ -23,6 +25,7 @@ from radixlm.scheduler.output import append_token
 from radixlm.speculative.acceptance import Verified
 from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
+from radixlm.speculative.grammar_drafts import constrain_draft
 
 if TYPE_CHECKING:
     from radixlm.scheduler.scheduler import Scheduler
@@ -64,13 +67,16 @@ class SpecStats:
 
 
 class Speculation:
-    def __init__(self, config: NgramConfig, cache: CacheManager, max_context_len: int) -> None:
+    def __init__(self, config: NgramConfig, cache: CacheManager, max_context_len: int, vocab_size: int) -> None:
         self.config = config
         self.drafter = NgramDrafter(config)
         self.adaptive = AdaptiveConfig()
         self.cache = cache
         self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
         self.stats = SpecStats()
+        # this step's grammar rows: id(req) -> the masks of the draft's verified positions
+        self._masks: dict[int, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- before the forward
     @staticmethod
@@ -86,15 +92,25 @@ class Speculation:
         out: list[list[int]] = []
         for req in reqs:
             st = self.state(req)
-            if req.grammar is not None:  # grammar rows decode one token a step (docs/speculative.md)
-                out.append([])
-                continue
             room = min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
                        self.max_context_len - len(req.fill_ids) - 1)
             draft = self.drafter.propose(req.fill_ids, max_tokens=max(room, 0))
             k = st.tracker.draft_length(draft.match_length, len(draft.tokens), cost, self.adaptive)
-            out.append(draft.tokens[:k])
+            out.append(self._constrain(req, draft.tokens[:k]))
         return self._fit(out, len(reqs))
+
+    def _constrain(self, req: Req, draft: list[int]) -> list[int]:
+        """A grammar row's draft cut at the first token its grammar rejects (or before one that
+        would end it), with the mask of every verified position; the matcher ends where it
+        started, so no draft token advances the grammar (the forward side accepts what the step
+        emits). Runs on the scheduler thread, which is the forward's: speculation has no overlap."""
+        m = req.grammar
+        if m is None or m.terminated:
+            return draft
+        scratch = torch.empty((len(draft) + 1, (self.vocab_size + 31) // 32), dtype=torch.int32)
+        n = constrain_draft(m, draft, scratch, 0)
+        self._masks[id(req)] = scratch[:n + 1]
+        return draft[:n]
 
     def _fit(self, drafts: list[list[int]], num_rows: int) -> list[list[int]]:
         """Shorten drafts, longest first, until the step fits free + evictable memory beside
@@ -109,7 +125,27 @@ class Speculation:
         return drafts
 
     def batch(self, reqs: list[Req]) -> WorkerBatch:
-        return draft_batch(reqs, self.drafts(reqs), self.cache)
+        self._masks.clear()
+        batch = draft_batch(reqs, self.drafts(reqs), self.cache)
+        if self._masks:
+            self._place_masks(batch)
+        return batch
+
+    def _place_masks(self, batch: WorkerBatch) -> None:
+        """The grammar rows' masks at their flat positions (a draft the memory cut shortened
+        keeps the first masks: mask j is the grammar's state after d_1..d_j)."""
+        assert batch.drafts is not None
+        bitmask = torch.full((sum(len(d) + 1 for d in batch.drafts), (self.vocab_size + 31) // 32), -1,
+                             dtype=torch.int32)
+        start = 0
+        for req, d in zip(batch.reqs, batch.drafts, strict=True):
+            masks = self._masks.get(id(req))
+            if masks is not None:
+                bitmask[start:start + len(d) + 1] = masks[:len(d) + 1]
+                batch.draft_mask_rows.extend(range(start, start + len(d) + 1))
+            start += len(d) + 1
+        batch.draft_bitmask = bitmask
+        self._masks.clear()
 
     # ---------------------------------------------------------------- after the forward
     def process_result(self, s: Scheduler, batch: WorkerBatch, result: BatchResult) -> None:
@@ -156,7 +192,7 @@ class Speculation:
             append_token(req, token, v.logprobs[j], v.top_logprobs[j])
             req.check_finished()
             if grammar_status is not None and j == len(v.tokens) - 1:
-                grammar_finish(req, grammar_status, token)
+                grammar_finish(req, grammar_status, token)  # the matcher saw the whole run
             s.stop_checker.check(req)
             if req.finish_reason is not None:
                 return

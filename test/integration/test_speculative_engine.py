@@ -24,7 +24,6 @@ def _spec(h) -> dict:
 
 
 def _workload() -> list[list[int]]:
-    rng = random.Random(3)
     out = []
     for i in range(6):
         seg = random_prompt(40 + i, 10)
@@ -94,6 +93,21 @@ def test_stop_string_and_max_new_tokens_inside_accepted_runs(plain, spec, smollm
         assert spec.final(rid).finish_reason == plain.final(rid).finish_reason
     assert spec.final("stop").finish_reason["type"] == "stop" and len(spec.tokens("stop")) < 40
     assert _spec(spec)["spec_cut_runs"] > cuts  # the stop string landed inside an accepted run
+
+
+def test_grammar_rows_draft_within_xgrammar(plain, spec):
+    """A regex that repeats itself: the grammar row drafts from its own context, its drafts are
+    checked against the xgrammar matcher (rolled back after), and the output equals plain
+    constrained decoding."""
+    p = _workload()[3]
+    reqs = [(f"re{i}", p, {"regex": r"(the cat sat on the mat\. ){3}(and then it slept\. ){3}",
+                           "max_new_tokens": 60, "temperature": 0}) for i in range(2)]
+    _run_both(plain, spec, reqs[:1])
+    _run_both(plain, spec, reqs[1:])
+    for rid, _, _ in reqs:
+        assert spec.tokens(rid) == plain.tokens(rid), rid
+        assert spec.final(rid).finish_reason == plain.final(rid).finish_reason
+    assert spec.final("re1").spec_accepted_tokens > 5
 
 
 # ---------------------------------------------------------------- the output distribution

@@ -106,11 +106,18 @@ class FakeRunner:
             pos += extend
             self.tokens_computed += extend
             if draft:
+                matcher = batch.grammars[i] if batch.grammars is not None else None
                 targets = [self.next_of(fill[:prefix + 1 + j]) for j in range(len(draft) + 1)]
+                if matcher is not None:  # the drafts obey the grammar (the scheduler cut them)
+                    targets = [matcher.constrain(t, self.vocab_size) for t in targets]
                 n_ok = 0
                 while n_ok < len(draft) and targets[n_ok] == draft[n_ok]:
                     n_ok += 1
                 next_ids[i] = targets[0]
+                if matcher is not None:
+                    batch.grammars_advanced = True
+                    ok = all(matcher.accept(t) for t in targets[:n_ok + 1])
+                    grammar_status[i] = "rejected" if not ok else "terminated" if matcher.terminated else None
                 emitted = targets[:n_ok + 1]
                 verified[i] = Verified(emitted, len(draft), [-1.0 if req.return_logprob else None] * len(emitted),
                                        [[(-1.0, t)] if req.top_logprobs_num else None for t in emitted])

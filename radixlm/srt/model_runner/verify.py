@@ -16,15 +16,15 @@ import torch
 from radixlm.core import Req
 from radixlm.scheduler.batch import WorkerBatch
 from radixlm.speculative.acceptance import verify_drafts
-from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
+from radixlm.srt.constrained.bitmask import advance_matchers
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.launched import LaunchedBatch
-from radixlm.srt.model_runner.sampling_batch import SamplingRow
+from radixlm.srt.model_runner.sampling_batch import SamplingRow, VocabMask
 
 if TYPE_CHECKING:
     from radixlm.srt.model_runner.runner import ModelRunner
 
-__all__ = ["launch_verify", "sampling_row"]
+__all__ = ["advance_runs", "launch_verify", "sampling_row"]
 
 
 def sampling_row(req: Req, output_ids: list[int]) -> SamplingRow:
@@ -48,19 +48,28 @@ def launch_verify(runner: ModelRunner, batch: WorkerBatch) -> LaunchedBatch:
     rows = [sampling_row(r, r.output_ids) for r in batch.reqs]
     ready: dict[str, Any] = {}
     vocab_mask = None
-    matchers = batch.grammars
-    if matchers is not None:
-        # Grammar rows get no drafts (one position each); the mask covers the flat positions.
-        flat: list[Any] = []
-        for m, d in zip(matchers, drafts, strict=True):
-            assert m is None or not d, "a grammar row with drafts"
-            flat.extend([m] + [None] * len(d))
-        vocab_mask = build_vocab_mask(flat, runner.vocab_size, logits.device)
+    if batch.draft_bitmask is not None:  # grammar rows: one mask per verified position (speculation.py)
+        vocab_mask = VocabMask(batch.draft_bitmask.to(logits.device), batch.draft_mask_rows)
     verified = verify_drafts(runner.sampler, logits, rows, drafts, vocab_mask)
-    if matchers is not None:
+    if batch.grammars is not None:
         batch.grammars_advanced = True
-        ready["grammar_status"] = advance_matchers(matchers, [v.tokens[-1] for v in verified])
+        ready["grammar_status"] = advance_runs(batch.grammars, [v.tokens for v in verified])
     ready["verified"] = verified
     end = runner.stream.mark()
     tokens = torch.tensor([v.tokens[-1] for v in verified], dtype=torch.int64)
     return LaunchedBatch(batch, tokens, [], None, None, start, end, runner.stream, ready)
+
+
+def advance_runs(matchers: list[Any], runs: list[list[int]]) -> list[str | None]:
+    """Accept each grammar row's emitted tokens into its matcher, in order; the row's status as
+    advance_matchers gives it for its last token ("rejected" / "error" at the first failure).
+    The drafts were cut before any token that ends the grammar, so only the last may end it."""
+    status: list[str | None] = []
+    for m, run in zip(matchers, runs, strict=True):
+        st: str | None = None
+        for tok in run:
+            (st,) = advance_matchers([m], [tok])
+            if st is not None:
+                break
+        status.append(st)
+    return status
