@@ -267,12 +267,20 @@ def test_storm_of_aborts_retractions_and_pauses(memory):
     h.assert_idle_and_conserved()
 
 
-def test_flush_cache_flushes_the_index():
+def test_flush_cache_and_weight_updates_flush_the_index():
+    from radixlm.messages import UpdateWeightsFromTensorReq
+
     h = make_spec_harness(vocab=V, memory=1)
     h.submit(_prompt(4, 1), max_new_tokens=20)
     run_checked(h)
     assert _spec(h)["spec_index_entries"] > 0
     assert h.scheduler.flush_cache()
+    assert _spec(h)["spec_index_entries"] == 0
+    h.submit(_prompt(4, 2), max_new_tokens=20)
+    run_checked(h)
+    assert _spec(h)["spec_index_entries"] > 0
+    h.runner.update_weights_from_tensor = lambda named: len(named)  # the fake has no weights to change
+    h.scheduler.handle(UpdateWeightsFromTensorReq(named_tensors=[], flush_cache=False, cache_namespace="v1"))
     assert _spec(h)["spec_index_entries"] == 0
 
 
