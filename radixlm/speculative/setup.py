@@ -12,8 +12,8 @@ WHY_CPU_ONLY = ("only the cpu attention backend is known to give a draft row's v
                 "logits of sequential decode steps (test_verify_forward.py); torch_native differs by ~1e-5 "
                 "and triton/flashinfer have not been run on this shape, so greedy output could change")
 WHY_NO_OVERLAP = ("the next batch's inputs depend on how many drafts this step accepts, so it cannot be "
-                  "built while this step runs; pass --disable-overlap-schedule (SGLang's ngram also runs "
-                  "without overlap)")
+                  "built while this step runs; run with overlap off (no --enable-overlap-schedule; "
+                  "--disable-overlap-schedule where it is on by default) as SGLang's ngram does")
 
 
 def check_speculative_args(args: Any) -> None:
