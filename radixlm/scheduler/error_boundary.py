@@ -185,6 +185,8 @@ def _row(batch: WorkerBatch, i: int, lo: int) -> WorkerBatch:
     ids = list(batch.input_ids[lo:lo + n])
     if batch.is_decode and ids and ids[0] < 0:
         ids = [req.output_ids[-1]]
+    masks = batch.draft_bitmask[lo:lo + n] if batch.draft_bitmask is not None else None
+    mask_rows = [r - lo for r in batch.draft_mask_rows if lo <= r < lo + n]
     return WorkerBatch(mode=batch.mode, reqs=[req], input_ids=ids, out_cache_loc=batch.out_cache_loc[lo:lo + n],
                        prefix_lens=[batch.prefix_lens[i]], extend_lens=[n], sample=[batch.sample[i]],
                        input_logprob_ranges=[batch.input_logprob_ranges[i]] if batch.input_logprob_ranges else [],
@@ -192,4 +194,5 @@ def _row(batch: WorkerBatch, i: int, lo: int) -> WorkerBatch:
                        else [],
                        output_snapshots=[list(req.output_ids)] if batch.output_snapshots is not None else None,
                        grammars=[batch.grammars[i]] if batch.grammars is not None else None,
-                       drafts=[batch.drafts[i]] if batch.drafts is not None else None)
+                       drafts=[batch.drafts[i]] if batch.drafts is not None else None,
+                       draft_bitmask=masks if mask_rows else None, draft_mask_rows=mask_rows)

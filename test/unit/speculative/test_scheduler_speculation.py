@@ -340,3 +340,23 @@ def test_counters_reach_metrics_and_meta_info():
     # emitted tokens per verify step: every decode token came from a verify step (the first from the prefill)
     assert meta["spec_accept_length"] == round((fin.completion_tokens - 1) / fin.spec_verify_ct, 4)
     assert 0 < meta["spec_accept_rate"] <= 1 and meta["spec_verify_ct"] == fin.spec_verify_ct
+
+
+def test_a_replayed_row_keeps_its_drafts_and_grammar_masks():
+    import torch
+
+    from radixlm.scheduler.batch import WorkerBatch
+    from radixlm.scheduler.error_boundary import _row
+
+    h = make_spec_harness()
+    a = h.submit([1, 2, 3], max_new_tokens=4)
+    b = h.submit([4, 5, 6], max_new_tokens=4)
+    ra, rb = (next(r for r in h.scheduler.waiting if r.rid == x) for x in (a, b))
+    masks = torch.arange(5 * 4, dtype=torch.int32).reshape(5, 4)
+    batch = WorkerBatch(mode="decode", reqs=[ra, rb], input_ids=[3, 7, 8, 6, 9], out_cache_loc=torch.arange(5),
+                        prefix_lens=[2, 2], extend_lens=[3, 2], sample=[True, True], drafts=[[7, 8], [9]],
+                        draft_bitmask=masks, draft_mask_rows=[3, 4])
+    one = _row(batch, 1, 3)
+    assert one.drafts == [[9]] and one.draft_mask_rows == [0, 1] and torch.equal(one.draft_bitmask, masks[3:5])
+    other = _row(batch, 0, 0)
+    assert other.drafts == [[7, 8]] and other.draft_bitmask is None and other.draft_mask_rows == []
