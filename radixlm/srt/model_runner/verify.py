@@ -6,6 +6,9 @@ what plain decoding would, with the same logprobs (docs/speculative.md).
 On the cpu attention backend a short extend row is computed by the decode kernel, position by
 position, over the same KV: its logits equal those of sequential decode steps bit for bit
 (test_verify_forward.py). A batch whose rows all have empty drafts is run as a plain decode.
+Grammar rows come with one mask per verified position (filled by the scheduler, which checked
+their drafts against the matcher); their matchers take the emitted run here, as a plain decode
+row's matcher takes its token on the forward side.
 """
 from __future__ import annotations
 
