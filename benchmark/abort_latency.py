@@ -1,6 +1,7 @@
 """Abort latency, caller side and KV side; prints one JSON object (docs/cancel_chain.md).
 
-    python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 40] [--out FILE]
+    python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 100] [--out FILE]
+                                      [--scheduler-nice 5,0] [--no-http]
 
 For overlap off and on, `--batch` streaming requests decode at once; one at a time, a live
 one is stopped (and replaced, so the batch stays full), from three entries:
@@ -15,6 +16,7 @@ Measured from the moment of the abort call (or of the close), wall clock, one ma
   where the release happens, after every batch holding the request resolved).
 The decode step length (`step_ms`, median time between a stream's chunks) is reported next
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
+`--scheduler-nice 5,0` repeats everything with the scheduler at each CPU priority (`compare`).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def run_engine(args, overlap: bool) -> dict:
 
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     with Engine(model_path=args.model_path, dtype=args.dtype, enable_overlap_schedule=overlap,
-                disable_overlap_schedule=not overlap) as eng:
+                disable_overlap_schedule=not overlap, scheduler_nice=args.nice) as eng:
         vocab = eng.tokenizer_manager.vocab_size
         rng = random.Random(1)
         eng.generate(input_ids=prompt(rng, vocab), sampling_params={"max_new_tokens": 2})  # warm-up
@@ -127,7 +129,7 @@ class Server:
     def __init__(self, args, overlap: bool) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", args.dtype, "--enable-overlap-schedule" if overlap else "--disable-overlap-schedule"]
+               "--dtype", args.dtype, "--scheduler-nice", str(args.nice), "--enable-overlap-schedule" if overlap else "--disable-overlap-schedule"]
         if args.model_path:
             cmd += ["--model-path", args.model_path]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -246,18 +248,28 @@ def main() -> None:
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch", type=int, default=8, help="streams decoding at once")
-    ap.add_argument("--aborts", type=int, default=40, help="aborts per entry and mode")
-    ap.add_argument("--interval", type=float, default=0.3, help="mean seconds between aborts")
+    ap.add_argument("--aborts", type=int, default=100, help="aborts per entry and mode")
+    ap.add_argument("--interval", type=float, default=0.2, help="mean seconds between aborts")
     ap.add_argument("--output-len", type=int, default=2000, help="long enough that only aborts end requests")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--scheduler-nice", default="5",
+                    help="comma-separated --scheduler-nice values to compare (the first is the headline)")
     args = ap.parse_args()
+    nices = [int(n) for n in args.scheduler_nice.split(",")]
     result: dict = {"workload": vars(args)}
-    for overlap in (False, True):
-        mode = {**run_engine(args, overlap)}
-        if not args.no_http:
-            mode.update(run_http(args, overlap))
-        result["overlap_on" if overlap else "overlap_off"] = mode
+    for i, nice in enumerate(nices):
+        args.nice = nice
+        runs: dict = {"scheduler_nice": nice}
+        for overlap in (False, True):
+            mode = {**run_engine(args, overlap)}
+            if not args.no_http:
+                mode.update(run_http(args, overlap))
+            runs["overlap_on" if overlap else "overlap_off"] = mode
+        if i == 0:
+            result.update(runs)
+        else:
+            result.setdefault("compare", []).append(runs)
     emit(result, args.out)
 
 

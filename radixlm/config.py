@@ -162,6 +162,9 @@ class ServerArgs:
     speculative_ngram_capacity: int = _opt("entries of the cross-request n-gram index (~180 B each; 0: own "
                                            "context only)", default=1 << 18)
     # ---- end speculative decoding ----
+    scheduler_nice: int = _opt("CPU niceness (0-19) the scheduler processes take, so that the front end and "
+                               "the detokenizer, which answer callers, preempt the forward's threads at "
+                               "once instead of waiting for a CPU; 0 keeps the launcher's priority", default=5)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
@@ -267,6 +270,8 @@ class ServerArgs:
             raise ValueError("tp_size must be >= 1")
         if self.dist_timeout <= 0:
             raise ValueError("dist_timeout must be > 0 seconds")
+        if not 0 <= self.scheduler_nice <= 19:
+            raise ValueError(f"scheduler_nice must be 0-19, got {self.scheduler_nice}")
         for name in ("max_payload_size", "max_n", "max_sequences_per_request", "max_grammar_chars",
                      "max_json_nesting", "max_weights_response_elements"):
             if getattr(self, name) < 1:

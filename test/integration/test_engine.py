@@ -1,6 +1,8 @@
 """The offline Engine end to end on a tiny random Llama (fast) against Hugging Face."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -186,9 +188,26 @@ def test_server_info_and_progress_bar(engine, capsys):
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
 
 
+def thread_nices(pid: int) -> set[int]:
+    """The niceness of every thread of a process (Linux keeps it per thread)."""
+    nices = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+def test_the_scheduler_yields_the_cpu_to_the_front_end(engine):
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    procs = engine.procs.procs
+    assert thread_nices(procs["scheduler"].pid) == {min(19, own + 5)}  # the forward's threads too
+    assert thread_nices(procs["detokenizer"].pid) == {own}
+
+
 def test_disable_radix_cache(tiny_llama_dir):
     with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=2048,
-                disable_radix_cache=True, debug_check_integrity=True) as eng:
+                disable_radix_cache=True, debug_check_integrity=True, scheduler_nice=0) as eng:
+        assert thread_nices(eng.procs.procs["scheduler"].pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
         a = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
         b = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert a["output_ids"] == b["output_ids"]

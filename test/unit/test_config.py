@@ -47,3 +47,10 @@ def test_components_get_their_own_config():
     assert (sched.max_running_requests, sched.schedule_policy, sched.page_size) == (7, "lpm", 4)
     assert sched.request_running_timeout == 2.0 and sched.overlap is False
     assert args.scheduler_config(max_running_requests=1, chunked_prefill_size=8, device="cuda").overlap is True
+
+
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_scheduler_nice_is_a_niceness(nice):
+    with pytest.raises(ValueError, match="scheduler_nice"):
+        ServerArgs.from_kwargs(scheduler_nice=nice)
+    assert ServerArgs.from_kwargs(scheduler_nice=0).scheduler_nice == 0
