@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
+    from radixlm.speculative.drafter import NgramConfig
     from radixlm.srt.model_runner.config import RunnerConfig
     from radixlm.validation import RequestLimits
 
@@ -161,6 +162,16 @@ class ServerArgs:
                                                 default="tcp")
     disaggregation_transfer_timeout: float = _opt("seconds a room may hear nothing from its peer before it is "
                                                   "ended on this side (503)", default=30.0)
+    # ---- speculative decoding (docs/speculative.md; radixlm/speculative) ----
+    speculative_algorithm: str | None = _opt("ngram: draft tokens from the request's own context and an index of "
+                                             "recent requests, verified in one forward (cpu attention backend, "
+                                             "overlap off, tp 1)", choices=(None, "ngram"), default=None)
+    speculative_num_draft_tokens: int = _opt("draft tokens verified per request per step at most", default=8)
+    speculative_ngram_min_match_window_size: int = _opt("shortest suffix looked up for a draft", default=1)
+    speculative_ngram_max_match_window_size: int = _opt("longest suffix looked up for a draft", default=12)
+    speculative_ngram_capacity: int = _opt("entries of the cross-request n-gram index (~180 B each; 0: own "
+                                           "context only)", default=1 << 18)
+    # ---- end speculative decoding ----
     scheduler_nice: int = _opt("CPU niceness (0-19) the scheduler processes take, so that the front end and "
                                "the detokenizer, which answer callers, preempt the forward's threads at "
                                "once instead of waiting for a CPU; 0 keeps the launcher's priority", default=5)
@@ -210,7 +221,18 @@ class ServerArgs:
             retraction_policy=self.retraction_policy, random_seed=self.random_seed,
             max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
             request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
-            stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity)
+            stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity,
+            speculative=self.ngram_config())
+
+    def ngram_config(self) -> "NgramConfig | None":
+        """The n-gram drafter's flags (None: speculation off); NgramConfig checks them."""
+        if self.speculative_algorithm is None:
+            return None
+        from radixlm.speculative.drafter import NgramConfig
+        return NgramConfig(num_draft_tokens=self.speculative_num_draft_tokens,
+                           min_match_window=self.speculative_ngram_min_match_window_size,
+                           max_match_window=self.speculative_ngram_max_match_window_size,
+                           capacity=self.speculative_ngram_capacity)
 
     def runner_config(self) -> "RunnerConfig":
         from radixlm.srt.model_runner.config import RunnerConfig
@@ -276,6 +298,9 @@ class ServerArgs:
             raise ValueError("disaggregation_transfer_timeout must be > 0 seconds")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
+        if self.speculative_algorithm is not None:
+            from radixlm.speculative.setup import check_speculative_args
+            check_speculative_args(self)
         for f in dataclasses.fields(self):
             choices = field_choices(f.name, f.metadata)
             if choices and getattr(self, f.name) not in choices:

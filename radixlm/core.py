@@ -90,6 +90,9 @@ class Req:
     # Structured output: the grammar matcher (opaque here; only the forward side advances it).
     # Kept across retraction, since output_ids are; dropped when the request finishes.
     grammar: Any = None
+    # Speculative decoding: the request's acceptance tracker and counters (scheduler/speculation.py's
+    # SpecState; a plain value, nothing to free on any stop path). None: speculation off.
+    spec: Any = None
 
     # ---- reporting ----
     cached_tokens: int = 0  # the prompt's cache hit (set by the cache manager at admission)

@@ -160,6 +160,10 @@ class ReqOutput:
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     # What the detokenizer needs; set on the request's first output only.
     detok: "DetokParams | None" = None
+    # Speculative decoding (None: off): verify steps so far, draft tokens verified, accepted.
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from radixlm.core import Req
+from radixlm.speculative.acceptance import Verified
 
 
 @dataclass
@@ -40,10 +41,21 @@ class WorkerBatch:
     # Set by the runner once it has advanced the matchers by this batch's tokens: a batch that
     # fails after that cannot simply be run again for its grammar rows (error_boundary.py).
     grammars_advanced: bool = False
+    # Speculative decoding: each row's draft tokens, verified in this step (None: a plain
+    # step). A row with drafts d is the extend [last, *d] over its KV (docs/speculative.md).
+    drafts: list[list[int]] | None = None
+    # Grammar rows' masks at every verified position (int32 [sum(len(d) + 1), ceil(V / 32)]) and
+    # the flat positions they cover, filled by the scheduler before the forward (None: no grammar row).
+    draft_bitmask: torch.Tensor | None = None
+    draft_mask_rows: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         return self.mode == "decode"
+
+    @property
+    def has_drafts(self) -> bool:
+        return self.drafts is not None and any(self.drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +73,9 @@ class BatchResult:
     # Per request, after its sampled token was accepted by its grammar matcher: None (no
     # grammar, or still open), "terminated" (the grammar is complete) or "rejected".
     grammar_status: list[str | None] | None = None
+    # Speculative decoding (batch.drafts set): per request the tokens the step emits (accepted
+    # drafts + the target's own), None for a row that computed nothing (a failed replay).
+    verified: list[Verified | None] | None = None
 
 
 class LaunchedForward(Protocol):

@@ -13,7 +13,7 @@ from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.overlap import placeholder
 from radixlm.scheduler.prefill import PrefillBatchPlan
 
-__all__ = ["prefill_batch", "decode_batch", "input_logprob_range"]
+__all__ = ["prefill_batch", "decode_batch", "draft_batch", "input_logprob_range"]
 
 
 def input_logprob_range(req: Req, prefix: int, extend: int) -> tuple[tuple[int, int], list[int]]:
@@ -70,3 +70,33 @@ def decode_batch(reqs: list[Req], cache: CacheManager, launched: WorkerBatch | N
                        input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
                        placeholder_source=id(launched) if any(r.pending_tokens for r in reqs) else None,
                        output_snapshots=snapshots if overlap else None, grammars=_grammars(reqs))
+
+
+def draft_batch(reqs: list[Req], drafts: list[list[int]], cache: CacheManager) -> WorkerBatch:
+    """One speculative step (no overlap): row i is the extend [last, *drafts[i]] after the
+    request's KV. Every row's first slot was made sure of by the decode-room check; draft
+    slots are opportunistic, so a draft that cannot get its slots now is dropped (the row
+    decodes one token), never the cause of a retraction. All of a row's slots are inside its
+    kv_allocated_len from here on, so every stop path frees them through release."""
+    firsts = []
+    for req in reqs:
+        loc = cache.extend(req, 1)
+        assert loc is not None, "decode memory was checked"
+        assert req.kv_allocated_len == len(req.fill_ids), "decode slot out of step with the sequence"
+        firsts.append(loc)
+    kept: list[list[int]] = []
+    locs, input_ids, prefix_lens, extend_lens = [], [], [], []
+    for req, draft, first in zip(reqs, drafts, firsts, strict=True):
+        more = cache.extend(req, len(draft)) if draft else None
+        if more is None:
+            draft = []
+        kept.append(list(draft))
+        locs.append(first if more is None else torch.cat([first, more]))
+        input_ids += [req.output_ids[-1], *draft]
+        prefix_lens.append(len(req.fill_ids) - 1)
+        extend_lens.append(len(draft) + 1)
+    n = len(reqs)
+    return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=torch.cat(locs),
+                       prefix_lens=prefix_lens, extend_lens=extend_lens, sample=[True] * n,
+                       input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
+                       grammars=_grammars(reqs), drafts=kept)

@@ -199,6 +199,19 @@ class CacheManager:
         req.kv_committed_len += num_tokens
         assert req.kv_committed_len <= req.kv_allocated_len
 
+    def rollback(self, req: Req, num_tokens: int) -> None:
+        """Give back the last `num_tokens` allocated slots (a speculative step's rejected
+        drafts): freed now, never published; only uncommitted slots can go back."""
+        if num_tokens == 0:
+            return
+        row = self._req_row(req)
+        allocated = req.kv_allocated_len
+        if not 0 < num_tokens <= allocated - req.kv_committed_len:
+            raise RuntimeError(f"request {req.rid!r}: cannot roll back {num_tokens} slots, "
+                               f"{allocated - req.kv_committed_len} are uncommitted")
+        self.allocator.free(row[allocated - num_tokens:allocated].clone())
+        req.kv_allocated_len = allocated - num_tokens
+
     def cache_prefill(self, req: Req) -> None:
         """After a prefill chunk: publish the page-aligned computed KV in the prefix cache, so
         others (and the request's own later chunks) share it, and move the request's lock down

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixlm.speculative.drafter import NgramConfig
+
 __all__ = ["SchedulerConfig"]
 
 
@@ -22,3 +24,4 @@ class SchedulerConfig:
     overlap: bool = False  # launch batch N+1 while processing batch N
     stream_interval: int = 1
     debug_check_integrity: bool = False
+    speculative: NgramConfig | None = None  # n-gram speculative decoding (scheduler/speculation.py)

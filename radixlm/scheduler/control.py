@@ -102,6 +102,8 @@ def _weights_op(s: Scheduler, op: Callable[[], int], flush: bool, namespace: str
     namespaced by weight version, so old KV is never served afterwards."""
     s.sync()
     n = op()
+    if s.speculation is not None:
+        s.speculation.flush()  # drafts learnt from the old weights' text
     live = _move_to_new_weights(s, namespace) if namespace is not None else {}
     return {"num_tensors": n, "flushed": s.flush_cache() if flush else False, "live_output_lens": live}
 
@@ -197,5 +199,6 @@ def server_info(s: Scheduler) -> dict[str, Any]:
             "num_grammar_queue_reqs": len(s.grammar_queue), **s.grammar_queue.stats,
             "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
             **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {}),
+            **(s.speculation.info() if s.speculation is not None else {}),
             **({"disaggregation": s.transfer.stats()} if s.transfer is not None else {}),
             "num_transfer_reqs": reqs.count(Place.TRANSFER)}

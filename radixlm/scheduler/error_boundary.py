@@ -135,7 +135,8 @@ class ErrorBoundary:
                                                                              error.__traceback__)))
         n = len(batch.reqs)
         out = BatchResult([None] * n, [None] * n, [None] * n, [None] * n, [None] * n,
-                          [None] * n if batch.grammars is not None else None)
+                          [None] * n if batch.grammars is not None else None,
+                          [None] * n if batch.drafts is not None else None)
         start = 0
         for i, req in enumerate(batch.reqs):
             lo, start = start, start + batch.extend_lens[i]
@@ -158,6 +159,8 @@ class ErrorBoundary:
             out.input_top_logprobs[i] = res.input_top_logprobs[0]
             if out.grammar_status is not None and res.grammar_status is not None:
                 out.grammar_status[i] = res.grammar_status[0]
+            if out.verified is not None and res.verified is not None:
+                out.verified[i] = res.verified[0]
         return out
 
     def _fail_row(self, req: Req, exc: BaseException) -> None:
@@ -182,10 +185,14 @@ def _row(batch: WorkerBatch, i: int, lo: int) -> WorkerBatch:
     ids = list(batch.input_ids[lo:lo + n])
     if batch.is_decode and ids and ids[0] < 0:
         ids = [req.output_ids[-1]]
+    masks = batch.draft_bitmask[lo:lo + n] if batch.draft_bitmask is not None else None
+    mask_rows = [r - lo for r in batch.draft_mask_rows if lo <= r < lo + n]
     return WorkerBatch(mode=batch.mode, reqs=[req], input_ids=ids, out_cache_loc=batch.out_cache_loc[lo:lo + n],
                        prefix_lens=[batch.prefix_lens[i]], extend_lens=[n], sample=[batch.sample[i]],
                        input_logprob_ranges=[batch.input_logprob_ranges[i]] if batch.input_logprob_ranges else [],
                        input_logprob_targets=[batch.input_logprob_targets[i]] if batch.input_logprob_targets
                        else [],
                        output_snapshots=[list(req.output_ids)] if batch.output_snapshots is not None else None,
-                       grammars=[batch.grammars[i]] if batch.grammars is not None else None)
+                       grammars=[batch.grammars[i]] if batch.grammars is not None else None,
+                       drafts=[batch.drafts[i]] if batch.drafts is not None else None,
+                       draft_bitmask=masks if mask_rows else None, draft_mask_rows=mask_rows)

@@ -76,6 +76,10 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
         cached_tokens=req.cached_tokens,
         num_retractions=req.num_retractions,
     )
+    if req.spec is not None:
+        out.spec_verify_ct = req.spec.verify_ct
+        out.spec_draft_tokens = req.spec.drafted
+        out.spec_accepted_tokens = req.spec.accepted
     if start == 0 and not req.detok_sent:
         sp = req.sampling_params
         out.detok = DetokParams(tuple(sp.stop), sp.skip_special_tokens, sp.spaces_between_special_tokens,

@@ -31,6 +31,7 @@ from radixlm.scheduler.policy import make_policy
 from radixlm.scheduler.prefill import AddStatus, PrefillAdder
 from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
 from radixlm.scheduler.retract import RETRACT_DECODE_STEPS, NewTokenRatioTracker, retraction_order
+from radixlm.scheduler.speculation import Speculation
 from radixlm.scheduler.stats import CancelLatency, SchedulerStats
 from radixlm.scheduler.transfer_hooks import TransferHooks
 from radixlm.scheduler.validate import check_new_request, deadline_passed
@@ -67,6 +68,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.cancel_latency = CancelLatency()
         self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
+        self.speculation: Speculation | None = None  # n-gram drafts verified each decode step
+        if config.speculative is not None:
+            if config.overlap:
+                from radixlm.speculative.setup import WHY_NO_OVERLAP
+                raise ValueError(f"speculative decoding refuses overlap scheduling: {WHY_NO_OVERLAP}")
+            self.speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size)
         # prefill/decode disaggregation (radixlm/disaggregation): set by its builder
         self.transfer: TransferHooks | None = None
 
@@ -105,6 +112,8 @@ class Scheduler:
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
                   extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
                   created_time=self.ranks.now(), bootstrap=msg.bootstrap)
+        if self.speculation is not None:
+            self.speculation.state(req)  # meta_info reports spec_* from the first output on
         error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
@@ -186,6 +195,8 @@ class Scheduler:
             logger.warning("cache not flushed: requests are still pending")
             return False
         self.cache.flush()
+        if self.speculation is not None:
+            self.speculation.flush()
         return True
 
     def get_info(self) -> dict[str, Any]:
@@ -310,8 +321,11 @@ class Scheduler:
         reqs = self._decode_candidates()
         if not reqs:
             return None
-        batch = decode_batch(reqs, self.cache, self.in_flight.batch if self.in_flight is not None else None,
-                             self.overlap)
+        if self.speculation is not None:
+            batch = self.speculation.batch(reqs)
+        else:
+            batch = decode_batch(reqs, self.cache, self.in_flight.batch if self.in_flight is not None else None,
+                                 self.overlap)
         self.ratio.on_decode_step()
         self.stats.num_decode_tokens += len(reqs)
         return batch
@@ -406,6 +420,10 @@ class Scheduler:
                 self._maybe_stream(req)
 
     def process_decode_result(self, batch: WorkerBatch, result: BatchResult) -> None:
+        if batch.drafts is not None:
+            assert self.speculation is not None
+            self.speculation.process_result(self, batch, result)
+            return
         finished: list[Req] = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
@@ -437,6 +455,8 @@ class Scheduler:
                 self.cache.release(req, insert=insert)
             self._on_released(req)
         self.stats.num_finished += 1
+        if self.speculation is not None:
+            self.speculation.on_finish(req)
         self._emit(req)
 
     def _on_released(self, req: Req) -> None:

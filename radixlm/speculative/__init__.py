@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram drafts (issue 20): drafting, verification, adaptive length.
 
-The scheduler/cache-manager integration is not built yet; README.md says how it plugs in.
+The engine runs them through scheduler/speculation.py and srt/model_runner/verify.py
+(docs/speculative.md).
 """
 from radixlm.speculative.acceptance import RowSampler, Verified, verification_rows, verify_drafts
 from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig, best_draft_length

@@ -61,6 +61,12 @@ class RuntimeMetrics:
         r.register(_CancelLatencyCollector(self))
         self.forward_idle = Gauge("radixlm:forward_idle_fraction",
                                   "share of time the model waited on the scheduler between forwards", registry=r)
+        # speculative decoding (scheduler/speculation.py); 0 while it is off
+        self.spec_drafted = Gauge("radixlm:spec_draft_tokens_total", "draft tokens verified", registry=r)
+        self.spec_accepted = Gauge("radixlm:spec_accepted_tokens_total", "draft tokens accepted", registry=r)
+        self.spec_rate = Gauge("radixlm:spec_accept_rate", "accepted / verified draft tokens", registry=r)
+        self.spec_length = Gauge("radixlm:spec_accept_length", "tokens emitted per speculative verify step",
+                                 registry=r)
         # prefill/decode disaggregation (docs/disaggregation.md): this side's transfer counters
         self.transfer = Gauge("radixlm:disagg_transfer", "KV transfer counters of this disaggregation side "
                               "(bytes, chunks, rooms_* and message counts, totals since start)",
@@ -109,6 +115,10 @@ class RuntimeMetrics:
                 self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
             self._last_hist = scheduler_info.get("cancel_latency_hist")
             self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))
+            self.spec_drafted.set(scheduler_info.get("spec_draft_tokens", 0))
+            self.spec_accepted.set(scheduler_info.get("spec_accepted_tokens", 0))
+            self.spec_rate.set(scheduler_info.get("spec_accept_rate", 0.0))
+            self.spec_length.set(scheduler_info.get("spec_accept_length", 0.0))
         hit_rate = self._cached / self._prompt if self._prompt else 0.0
         self.cache_hit_rate.set(hit_rate)
         self.sglang.update(scheduler_info, hit_rate)

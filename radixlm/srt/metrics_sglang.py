@@ -136,6 +136,11 @@ class _SchedulerFamilies:
         yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", self.m._cache_hit_rate)
         yield gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.m.decode_rate.value)
         yield gauge("sglang:new_token_ratio", "The new token ratio.", info.get("new_token_ratio", 0.0))
+        if "spec_accept_length" in info:
+            yield gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.",
+                        info["spec_accept_length"])
+            yield gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.",
+                        info["spec_accept_rate"])
         yield counter("sglang:num_retracted_requests", "Total number of retracted requests.",
                       info.get("num_retractions", 0))
         yield counter("sglang:evicted_tokens", "The number of tokens evicted from the prefix cache.",

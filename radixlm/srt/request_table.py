@@ -64,6 +64,8 @@ class ReqState:
     finish_reason: dict | None = None
     cached_tokens: int = 0
     num_retractions: int = 0
+    # speculative decoding: (verify steps, draft tokens, accepted tokens); None when off
+    spec: tuple[int, int, int] | None = None
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_token_logprobs: list | None = None

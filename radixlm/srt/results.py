@@ -18,6 +18,8 @@ def absorb(st: ReqState, metrics=None) -> dict:
         tops.extend(out.output_top_logprobs)
         st.cached_tokens = out.cached_tokens
         st.num_retractions = out.num_retractions
+        if out.spec_verify_ct is not None:
+            st.spec = (out.spec_verify_ct, out.spec_draft_tokens, out.spec_accepted_tokens)
         if out.input_token_logprobs is not None and st.input_token_logprobs is None:
             st.input_token_logprobs = out.input_token_logprobs
             st.input_top_logprobs = out.input_top_logprobs
@@ -31,6 +33,15 @@ def absorb(st: ReqState, metrics=None) -> dict:
     st.output_token_logprobs.extend(lps)
     st.output_top_logprobs.extend(tops)
     return {"text": text, "output_ids": ids, "lps": lps, "tops": tops}
+
+
+def spec_meta(verify_ct: int, drafted: int, accepted: int) -> dict:
+    """SGLang's speculative meta_info: tokens emitted per verify step (the target's own one
+    included) and the share of draft tokens accepted."""
+    return {"spec_verify_ct": verify_ct,
+            "spec_accept_length": round(1 + accepted / verify_ct, 4) if verify_ct else 0.0,
+            "spec_accept_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted}
 
 
 def _with_text(tokenizer, pairs, with_text: bool):
@@ -48,6 +59,8 @@ def result(st: ReqState, tokenizer, with_text: bool, full: bool, delta: dict | N
             "completion_tokens": len(st.output_ids), "cached_tokens": st.cached_tokens,
             "num_retractions": st.num_retractions, "weight_version": segments[-1][0],
             "weight_versions": segments, "e2e_latency": time.perf_counter() - st.start}
+    if st.spec is not None:
+        meta.update(spec_meta(*st.spec))
     lps = st.output_token_logprobs if full else delta["lps"]
     tops = st.output_top_logprobs if full else delta["tops"]
     if st.output_token_logprobs or st.input_token_logprobs is not None:

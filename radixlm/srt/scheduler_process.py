@@ -67,6 +67,9 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
                          TokenToKVPoolAllocator(sizes.max_total_tokens))
     config = args.scheduler_config(max_running_requests=sizes.max_running_requests,
                                    chunked_prefill_size=sizes.chunked_prefill_size, device=runner.device)
+    if config.speculative is not None:
+        from radixlm.speculative.setup import check_speculative_runtime
+        check_speculative_runtime(runner.attention_backend_name, config.overlap)
     scheduler = Scheduler(config, runner, cache, tokenizer=tokenizer, send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids),
                           ranks=ranks)

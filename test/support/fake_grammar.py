@@ -47,6 +47,19 @@ class FakeMatcher:
         self.accepted.append(token)
         return True
 
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens <= len(self.accepted)
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        """Bit t of the row set for every multiple t of mod (speculative drafts are cut on it)."""
+        import torch
+        allowed = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
+        allowed[::self.grammar.mod] = True
+        bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32)
+        words = bits.sum(1)
+        bitmask[row] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
 
 class FakeGrammarBackend:
     def __init__(self) -> None:

@@ -15,14 +15,19 @@ import torch
 
 from radixlm.scheduler.batch import BatchResult, LaunchedForward, WorkerBatch
 from radixlm.scheduler.overlap import fill_snapshots, resolve_placeholders
+from radixlm.speculative.acceptance import Verified
 
 EMPTY = -1
 
 
 class FakeRunner:
     def __init__(self, capacity: int, req_to_token_pool, vocab_size: int = 97,
-                 max_context_len: int = 512, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_context_len: int = 512, eos_token_ids: tuple[int, ...] = (),
+                 memory: int | None = None) -> None:
         self.vocab_size = vocab_size
+        # The next token depends on the last `memory` tokens (None: the whole sequence): a
+        # short memory makes the text repeat, so n-gram drafts get accepted.
+        self.memory = memory
         self.max_context_len = max_context_len
         self.eos_token_ids = eos_token_ids
         self.req_to_token = req_to_token_pool.req_to_token
@@ -53,6 +58,9 @@ class FakeRunner:
     def resume_memory(self) -> None:
         pass
 
+    def next_of(self, seq: list[int]) -> int:
+        return self.next_token(seq if self.memory is None else seq[-self.memory:], self.vocab_size)
+
     @staticmethod
     def next_token(seq: list[int], vocab: int) -> int:
         h = 0
@@ -80,11 +88,13 @@ class FakeRunner:
         n = len(batch.reqs)
         next_ids: list[int | None] = [None] * n
         grammar_status: list[str | None] = [None] * n
+        verified: list[Verified | None] = [None] * n
         for i, req in enumerate(batch.reqs):
             prefix, extend = batch.prefix_lens[i], batch.extend_lens[i]
             # a launched batch must not read live request state the scheduler is mutating
             out = batch.output_snapshots[i] if batch.output_snapshots is not None else req.output_ids
-            fill = req.origin_input_ids + out
+            draft = batch.drafts[i] if batch.drafts is not None else []
+            fill = req.origin_input_ids + out + draft
             row = self.req_to_token[req.req_pool_idx]
             # the prefix must already hold this request's own tokens
             held = self.kv[row[:prefix]].tolist()
@@ -95,8 +105,24 @@ class FakeRunner:
             self.kv[locs] = torch.tensor(fill[prefix:prefix + extend], dtype=torch.int64)
             pos += extend
             self.tokens_computed += extend
-            if batch.sample[i]:
-                next_ids[i] = self.next_token(fill[:prefix + extend], self.vocab_size)
+            if draft:
+                matcher = batch.grammars[i] if batch.grammars is not None else None
+                targets = [self.next_of(fill[:prefix + 1 + j]) for j in range(len(draft) + 1)]
+                if matcher is not None:  # the drafts obey the grammar (the scheduler cut them)
+                    targets = [matcher.constrain(t, self.vocab_size) for t in targets]
+                n_ok = 0
+                while n_ok < len(draft) and targets[n_ok] == draft[n_ok]:
+                    n_ok += 1
+                next_ids[i] = targets[0]
+                if matcher is not None:
+                    batch.grammars_advanced = True
+                    ok = all(matcher.accept(t) for t in targets[:n_ok + 1])
+                    grammar_status[i] = "rejected" if not ok else "terminated" if matcher.terminated else None
+                emitted = targets[:n_ok + 1]
+                verified[i] = Verified(emitted, len(draft), [-1.0 if req.return_logprob else None] * len(emitted),
+                                       [[(-1.0, t)] if req.top_logprobs_num else None for t in emitted])
+            elif batch.sample[i]:
+                next_ids[i] = self.next_of(fill[:prefix + extend])
                 matcher = batch.grammars[i] if batch.grammars is not None else None
                 if matcher is not None and not matcher.terminated:
                     # like the real runner: constrain, then advance the matcher at once
@@ -109,8 +135,13 @@ class FakeRunner:
                 for r, t in zip(batch.reqs, next_ids)]
         in_lps = [[-2.0] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
         in_tops = [[[(-2.0, 0)]] * (hi - lo) if hi > lo else None for lo, hi in batch.input_logprob_ranges]
+        if batch.drafts is not None:
+            for i, req in enumerate(batch.reqs):
+                if verified[i] is None:
+                    verified[i] = Verified([next_ids[i]], 0, [logprobs[i]], [tops[i]])  # type: ignore[list-item]
         return BatchResult(next_ids, logprobs, tops, in_lps, in_tops,
-                           grammar_status if batch.grammars is not None else None)
+                           grammar_status if batch.grammars is not None else None,
+                           verified if batch.drafts is not None else None)
 
 
 @dataclass
@@ -131,11 +162,11 @@ class DoneForward:
         return self.start, self.end
 
 
-def reference_output(prompt: list[int], max_new: int, vocab: int = 97) -> list[int]:
+def reference_output(prompt: list[int], max_new: int, vocab: int = 97, memory: int | None = None) -> list[int]:
     seq = list(prompt)
     out = []
     for _ in range(max_new):
-        t = FakeRunner.next_token(seq, vocab)
+        t = FakeRunner.next_token(seq if memory is None else seq[-memory:], vocab)
         out.append(t)
         seq.append(t)
     return out

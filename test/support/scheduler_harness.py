@@ -81,7 +81,8 @@ class Harness:
 
 def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None = None,
                  disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
-                 context: int = 512, eos: tuple[int, ...] = (), grammar_backend=None, **args) -> Harness:
+                 context: int = 512, eos: tuple[int, ...] = (), grammar_backend=None, memory: int | None = None,
+                 **args) -> Harness:
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
@@ -90,7 +91,7 @@ def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None 
     alloc = TokenToKVPoolAllocator(capacity)
     tree = NoPrefixCache(page_size) if disable_cache else RadixCache(page_size)
     cache = CacheManager(tree, pool, alloc)
-    runner = FakeRunner(capacity, pool, vocab, context, eos)
+    runner = FakeRunner(capacity, pool, vocab, context, eos, memory=memory)
     h = Harness(None, runner, cache)  # type: ignore[arg-type]
     config = server_args.scheduler_config(max_running_requests=max_running, chunked_prefill_size=chunk,
                                           device="cpu")

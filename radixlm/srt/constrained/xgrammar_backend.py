@@ -41,6 +41,11 @@ class XGrammarMatcher:
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last accepted tokens (speculative drafts checked against the grammar;
+        matchers are created with unlimited rollback)."""
+        self._m.rollback(num_tokens)
+
     def accept_string(self, text: str) -> bool:  # tests and debugging
         return bool(self._m.accept_string(text))
 

@@ -138,4 +138,4 @@ class LaunchedBatch:
         return BatchResult(next_ids, logprobs, tops,
                            self.ready.get("input_logprobs", [None] * n),
                            self.ready.get("input_top_logprobs", [None] * n),
-                           self.ready.get("grammar_status"))
+                           self.ready.get("grammar_status"), self.ready.get("verified"))

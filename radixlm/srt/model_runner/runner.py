@@ -24,7 +24,8 @@ from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, check_kv_cache_backend
 from radixlm.srt.model_runner.launched import ForwardStream, LaunchedBatch
-from radixlm.srt.model_runner.sampler import Sampler, SamplingRow
+from radixlm.srt.model_runner.sampler import Sampler
+from radixlm.srt.model_runner.verify import launch_verify, sampling_row
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,8 @@ class ModelRunner:
     def _launch(self, batch: WorkerBatch, prev: LaunchedForward | None) -> LaunchedBatch:
         if self.tp.size > 1:  # ranks that scheduled differently would mix their batches: stop instead
             self.tp.comm.check_same(batch_signature(batch), "the batches launched")
+        if batch.drafts is not None:  # a speculative step (verify.py)
+            return launch_verify(self, batch)
         mode = ForwardMode.DECODE if batch.is_decode else ForwardMode.EXTEND
         fb = ForwardBatch.build(mode, batch.input_ids, batch.out_cache_loc,
                                 [r.req_pool_idx for r in batch.reqs], batch.prefix_lens, batch.extend_lens,
@@ -329,13 +332,9 @@ class ModelRunner:
             srows = []
             for i in sample_idx:
                 r = batch.reqs[i]
-                stop_ids = frozenset(r.sampling_params.stop_token_ids) | (
-                    frozenset() if r.sampling_params.ignore_eos else r.eos_token_ids)
                 # overlap: the live output list may grow while this batch runs; use the snapshot
                 outs = batch.output_snapshots[i] if batch.output_snapshots is not None else r.output_ids
-                srows.append(SamplingRow(params=r.sampling_params, prompt_ids=r.origin_input_ids,
-                                         output_ids=outs, stop_ids=stop_ids,
-                                         return_logprob=r.return_logprob, top_logprobs_num=r.top_logprobs_num))
+                srows.append(sampling_row(r, outs))
             # structured output: mask with each matcher, then advance it by the sampled token
             # now, before any later batch builds its mask (semantics §7)
             matchers = [batch.grammars[i] for i in sample_idx] if batch.grammars is not None else None
