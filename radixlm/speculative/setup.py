@@ -24,6 +24,10 @@ def check_speculative_args(args: Any) -> None:
     if args.tp_size > 1:
         raise ValueError("speculative decoding does not run with tp_size > 1 yet: every rank's drafter would "
                          "have to be fed the same tokens, which nothing checks")
+    if args.disaggregation_mode != "null":
+        raise ValueError("speculative decoding does not run with disaggregation_mode prefill/decode yet: a "
+                         "prefill server decodes nothing, and a decode server's rows arriving with their KV "
+                         "have not been run with drafts")
     if args.enable_overlap_schedule and not args.disable_overlap_schedule:
         raise ValueError(f"speculative decoding refuses overlap scheduling: {WHY_NO_OVERLAP}")
     if args.attention_backend not in ("auto", "cpu"):

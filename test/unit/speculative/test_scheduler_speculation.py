@@ -287,6 +287,7 @@ def test_flush_cache_and_weight_updates_flush_the_index():
 def test_speculation_refuses_what_it_cannot_run():
     base = {"speculative_algorithm": "ngram"}
     for bad, word in [({"enable_overlap_schedule": True}, "overlap"), ({"tp_size": 2}, "tp_size"),
+                      ({"disaggregation_mode": "decode"}, "disaggregation_mode"),
                       ({"attention_backend": "torch_native"}, "cpu"), ({"device": "cuda"}, "CPU"),
                       ({"speculative_num_draft_tokens": -1}, "speculative_num_draft_tokens"),
                       ({"speculative_ngram_min_match_window_size": 5,
