@@ -1,7 +1,7 @@
 """Abort latency, caller side and KV side; prints one JSON object (docs/cancel_chain.md).
 
     python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 100] [--out FILE]
-                                      [--scheduler-nice 5,0] [--no-http]
+                                      [--scheduler-nice 0,5] [--no-http]
 
 For overlap off and on, `--batch` streaming requests decode at once; one at a time, a live
 one is stopped (and replaced, so the batch stays full), from three entries:
@@ -16,7 +16,7 @@ Measured from the moment of the abort call (or of the close), wall clock, one ma
   where the release happens, after every batch holding the request resolved).
 The decode step length (`step_ms`, median time between a stream's chunks) is reported next
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
-`--scheduler-nice 5,0` repeats everything with the scheduler at each CPU priority (`compare`).
+`--scheduler-nice 0,5` repeats everything with the scheduler at each CPU priority (`compare`).
 """
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=2000, help="long enough that only aborts end requests")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-http", action="store_true")
-    ap.add_argument("--scheduler-nice", default="5",
+    ap.add_argument("--scheduler-nice", default="0",
                     help="comma-separated --scheduler-nice values to compare (the first is the headline)")
     args = ap.parse_args()
     nices = [int(n) for n in args.scheduler_nice.split(",")]

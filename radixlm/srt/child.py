@@ -51,10 +51,10 @@ def die_with_parent(ports) -> None:
 
 
 def lower_priority(nice: int) -> None:
-    """Give the forward's threads way to the processes that answer callers. On two busy cores a
-    woken front-end thread otherwise waits for a time slice of the forward's OpenMP threads (the
-    abort answer's p99 went from ~15 ms to the front end's own cost). Linux keeps niceness per
-    thread and a new thread inherits its creator's, so this runs before torch starts its pool."""
+    """Give the forward's threads way to the processes that answer callers (`--scheduler-nice`):
+    on busy cores a woken front-end thread otherwise waits for a time slice of the forward's
+    OpenMP threads (docs/cancel_chain.md has the measurement). Linux keeps niceness per thread
+    and a new thread inherits its creator's, so this runs before torch starts its pool."""
     if nice > 0:
         os.nice(nice)
 
