@@ -289,15 +289,21 @@ def test_interrupting_a_blocking_call_aborts_its_request(engine, stream):
     def interrupt():
         wait_until(engine, lambda i: i["num_running_reqs"] == 1, "running")
         signal.pthread_kill(main, signal.SIGINT)
+    # A shell starting the suite in the background (`cmd &`) ignores SIGINT for it, and Python
+    # then installs no KeyboardInterrupt handler: install it for this test.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=interrupt, daemon=True)
     t.start()
-    with pytest.raises(KeyboardInterrupt):
-        if stream:
-            for _ in engine.generate(input_ids=random_prompt(60, 8), sampling_params=LONG, stream=True):
-                pass
-        else:
-            engine.generate(input_ids=random_prompt(60, 8), sampling_params=LONG)
-    t.join(HANG)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if stream:
+                for _ in engine.generate(input_ids=random_prompt(60, 8), sampling_params=LONG, stream=True):
+                    pass
+            else:
+                engine.generate(input_ids=random_prompt(60, 8), sampling_params=LONG)
+    finally:
+        t.join(HANG)
+        signal.signal(signal.SIGINT, previous)
     info = wait_until(engine, lambda i: i["num_running_reqs"] == 0, "the interrupted request ended")
     assert info["num_aborted"] == before + 1  # aborted, not run to its end
     assert engine.tokenizer_manager.states == {}
