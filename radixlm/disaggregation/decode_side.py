@@ -63,11 +63,11 @@ class DecodeTransfer(TransferSide):
         if boot is None or req.sampling_params.max_new_tokens == 0:
             return False  # nothing to decode: computed here
         if req.sampling_params.grammar is not None:
-            self.scheduler._finish(req, FinishReason.abort(
+            self.scheduler.finish(req, FinishReason.abort(
                 "structured output is not supported with prefill/decode disaggregation yet", 400))
             return True
         if boot.key in self.rooms:
-            self.scheduler._finish(req, FinishReason.abort(f"bootstrap room {boot.room} is already in use", 400))
+            self.scheduler.finish(req, FinishReason.abort(f"bootstrap room {boot.room} is already in use", 400))
             return True
         self.rooms[boot.key] = DecodeRoom(req, (boot.host, boot.port), self.clock())
         self.scheduler.requests.put(req, Place.TRANSFER)
@@ -212,11 +212,11 @@ class DecodeTransfer(TransferSide):
         req.check_finished()
         s.stop_checker.check(req)
         if req.finish_reason is not None:
-            s._finish(req, req.finish_reason)
+            s.finish(req, req.finish_reason)
             return
         s.cache.cache_prefill(req)  # what it received is in this server's tree from now on
         s.requests.put(req, Place.RUNNING)
-        s._maybe_stream(req)
+        s.stream_if_due(req)
 
     def _fail(self, room: DecodeRoom, message: str) -> None:
         self.scheduler.stop(room.req, FinishReason.abort(message, 500))

@@ -75,7 +75,7 @@ class PrefillTransfer(TransferSide):
             return False
         key = room_key(req)
         if key in self.rooms:
-            self.scheduler._finish(req, FinishReason.abort(f"bootstrap room {key.room} is already in use", 400))
+            self.scheduler.finish(req, FinishReason.abort(f"bootstrap room {key.room} is already in use", 400))
             return True
         room = PrefillRoom(req, since=self.clock())
         early = self.early.pop(key, None)

@@ -100,7 +100,7 @@ class ErrorBoundary:
                 if plan.new_chunked_req is req:
                     plan.new_chunked_req = None
             self.s.cache.poison(req)
-            self.s._finish(req, _reason("being scheduled", e), insert=False)
+            self.s.finish(req, _reason("being scheduled", e), insert=False)
             return AddStatus.CONTINUE
 
     # ------------------------------------------------------------------ forwards

@@ -5,7 +5,7 @@ decode), run it, `postprocess()` a result. With overlap scheduling the result pr
 previous batch's, while the new one runs. Messages (`handle`) are applied between iterations,
 never in the middle of one. Where every request is lives in one table (`requests`); every
 request ends through `stop` (now, or when the launched batch holding it is processed) and
-`_finish`, its one exit for KV and its one final output.
+`finish`, its one exit for KV and its one final output.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ class Scheduler:
         assert place is not Place.PREFILL, "a prefill request outside the launched batch"
         if place is Place.GRAMMAR:
             self.grammar_queue.remove(req)  # cancel its compile if nobody else waits for it
-        self._finish(req, reason)
+        self.finish(req, reason)
         return place.name.lower()
 
     def check_timeouts(self) -> None:
@@ -281,7 +281,7 @@ class Scheduler:
             self.requests.put(req, Place.WAITING)
         for req, reason in failed:
             self.requests.remove(req)
-            self._finish(req, reason)
+            self.finish(req, reason)
 
     # ================================================================ batch choice
     def get_prefill_batch(self) -> WorkerBatch | None:
@@ -392,14 +392,14 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             self.cache.commit(req, batch.extend_lens[i])
             if req.to_finish is not None:  # aborted while this batch was in flight
-                self._finish(req, req.to_finish)
+                self.finish(req, req.to_finish)
                 continue
             if req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
                 # also when this chunk computed none (a one-token prompt): position 0's entry
                 with self.boundary.guard(req, "recording its prompt logprobs"):
                     record_input_logprobs(req, batch.input_logprob_targets[i], result, i)
                 if req.finish_reason is not None:  # that failed: the request ends here
-                    self._finish(req, req.finish_reason)
+                    self.finish(req, req.finish_reason)
                     continue
             if not batch.sample[i]:
                 self.cache.cache_prefill(req)
@@ -413,11 +413,11 @@ class Scheduler:
             if self.transfer is not None and self.transfer.take_prefilled(req):
                 continue
             if req.finish_reason is not None:
-                self._finish(req, req.finish_reason)
+                self.finish(req, req.finish_reason)
             else:
                 self.cache.cache_prefill(req)
                 self.requests.put(req, Place.RUNNING)
-                self._maybe_stream(req)
+                self.stream_if_due(req)
 
     def process_decode_result(self, batch: WorkerBatch, result: BatchResult) -> None:
         if batch.drafts is not None:
@@ -432,15 +432,17 @@ class Scheduler:
             with self.boundary.guard(req, "processing its output"):
                 accept_token(req, result, i, self.stop_checker)
                 if req.finish_reason is None:
-                    self._maybe_stream(req)
+                    self.stream_if_due(req)
             if req.finish_reason is not None:
                 finished.append(req)
         for req in finished:
             assert req.finish_reason is not None
-            self._finish(req, req.finish_reason)
+            self.finish(req, req.finish_reason)
 
-    def _finish(self, req: Req, reason: FinishReason, insert: bool = True) -> None:
-        """Terminal state: the request's one exit for KV and its one final output."""
+    def finish(self, req: Req, reason: FinishReason, insert: bool = True) -> None:
+        """Terminal state: the request's one exit for KV and its one final output. For a
+        request in no place or one the caller has just removed; everything else goes
+        through `stop`, which knows about launched batches."""
         self.requests.discard(req)
         req.finish_reason = reason
         req.to_finish = None
@@ -465,7 +467,8 @@ class Scheduler:
         if req.abort_sent_time is not None and reason is not None and reason.type == "abort":
             self.cancel_latency.add(req.rid, req.abort_sent_time, time.time())
 
-    def _maybe_stream(self, req: Req) -> None:
+    def stream_if_due(self, req: Req) -> None:
+        """Queue `req`'s new tokens for the front end once stream_interval of them wait."""
         # Non-streamed requests too: the front end holds every token delivered, so it can
         # answer an abort at once with the output so far (it returns only the final result).
         if len(req.output_ids) - req.sent_len >= self.config.stream_interval:

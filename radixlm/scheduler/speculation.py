@@ -179,10 +179,10 @@ class Speculation:
             if req.finish_reason is not None:
                 finished.append(req)
             else:
-                s._maybe_stream(req)
+                s.stream_if_due(req)
         for req in finished:
             assert req.finish_reason is not None
-            s._finish(req, req.finish_reason)
+            s.finish(req, req.finish_reason)
 
     @staticmethod
     def _accept_run(s: Scheduler, req: Req, v: Verified, grammar_status: str | None) -> None:
