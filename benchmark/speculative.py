@@ -128,7 +128,9 @@ def summarize(off: dict, on: dict, workloads: dict, batch: int) -> dict:
             f"batch{batch}_throughput_ratio_on_over_off": round(b[f"batch{batch}_output_tok_per_s"]
                                                                  / a[f"batch{batch}_output_tok_per_s"], 3),
             "outputs_identical_on_vs_off": a["_single_outputs"] == b["_single_outputs"]
-            and a["_batch_outputs"] == b["_batch_outputs"]}
+            and a["_batch_outputs"] == b["_batch_outputs"],
+            "identical_single_runs": sum(x == y for x, y in zip(a["_single_outputs"], b["_single_outputs"])),
+            f"identical_batch{batch}_outputs": sum(x == y for x, y in zip(a["_batch_outputs"], b["_batch_outputs"]))}
     return out
 
 

@@ -23,7 +23,7 @@ from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.grammar_queue import grammar_finish
 from radixlm.scheduler.output import append_token
 from radixlm.speculative.acceptance import Verified
-from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
+from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig, best_draft_length
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
 from radixlm.speculative.grammar_drafts import constrain_draft
 
@@ -92,9 +92,15 @@ class Speculation:
         out: list[list[int]] = []
         for req in reqs:
             st = self.state(req)
-            room = min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
-                       self.max_context_len - len(req.fill_ids) - 1)
-            draft = self.drafter.propose(req.fill_ids, max_tokens=max(room, 0))
+            room = max(0, min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+                              self.max_context_len - len(req.fill_ids) - 1))
+            # No draft this row could get would pay (low acceptance, or a batch large enough
+            # that extra rows cost about a step each): skip the lookup, the same answer sooner.
+            if best_draft_length(st.tracker.estimate(self.adaptive), cost,
+                                 min(room, self.drafter.config.num_draft_tokens)) == 0:
+                out.append([])
+                continue
+            draft = self.drafter.propose(req.fill_ids, max_tokens=room)
             k = st.tracker.draft_length(draft.match_length, len(draft.tokens), cost, self.adaptive)
             out.append(self._constrain(req, draft.tokens[:k]))
         return self._fit(out, len(reqs))
