@@ -19,7 +19,8 @@ Measured from the moment of the abort call (or of the close), wall clock, one ma
 The decode step length (`step_ms`, median time between a stream's chunks) is reported next
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
 Percentiles are nearest-rank (the p99 of 300 samples is the 297th smallest); `--aborts 300`
-gives a p99 that is not just the maximum. `--scheduler-nice 0,5` repeats everything with the scheduler at each CPU priority (`compare`).
+gives a p99 that is not just the maximum. `--scheduler-nice 0,5` repeats everything with the
+scheduler at each CPU priority (`compare`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from benchmark.common import emit  # noqa: E402 - after the path set-up above
 
 def pct(xs: list[float]) -> dict:
     if not xs:
-        return {"n": 0, "p50": None, "p99": None, "max": None}
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
     s = sorted(xs)
 
     def rank(q: float) -> float:  # nearest rank: the smallest value with a share >= q at or below it
@@ -55,6 +56,12 @@ def pct(xs: list[float]) -> dict:
 
 def prompt(rng: random.Random, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 1) for _ in range(rng.randrange(16, 48))]
+
+
+def front_end_accepted(info: dict, t0: dict[str, float]) -> list[float]:
+    """time the front end answered and detached the request - abort time, for the rids of `t0`."""
+    accepted = dict(info.get("front_end", {}).get("recent_aborts", []))
+    return [accepted[r] - t for r, t in t0.items() if r in accepted]
 
 
 def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
@@ -120,9 +127,7 @@ def run_engine(args, overlap: bool) -> dict:
         asyncio.run(go())
         time.sleep(0.5)
         info = eng.get_server_info()
-        accepted = dict(info.get("front_end", {}).get("recent_aborts", []))
-        return {"engine_abort": {"answer_ms": pct(answer),
-                                 "front_end_accepted_ms": pct([accepted[r] - t for r, t in t0.items() if r in accepted]),
+        return {"engine_abort": {"answer_ms": pct(answer), "front_end_accepted_ms": pct(front_end_accepted(info, t0)),
                                  "kv_release_ms": pct(kv_release(info, t0))},
                 "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
 
@@ -247,8 +252,7 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
     if entry == "http_disconnect":
-        accepted = {rid: t for rid, t in info.get("front_end", {}).get("recent_aborts", [])}
-        answer = [accepted[r] - t for r, t in t0.items() if r in accepted]
+        answer = front_end_accepted(info, t0)
     return {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
 
 

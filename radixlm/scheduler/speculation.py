@@ -23,7 +23,7 @@ from radixlm.scheduler.cache_manager import CacheManager
 from radixlm.scheduler.grammar_queue import grammar_finish
 from radixlm.scheduler.output import append_token
 from radixlm.speculative.acceptance import Verified
-from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig, best_draft_length
+from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
 from radixlm.speculative.grammar_drafts import constrain_draft
 
@@ -94,10 +94,9 @@ class Speculation:
             st = self.state(req)
             room = max(0, min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
                               self.max_context_len - len(req.fill_ids) - 1))
-            # No draft this row could get would pay (low acceptance, or a batch large enough
-            # that extra rows cost about a step each): skip the lookup, the same answer sooner.
-            if best_draft_length(st.tracker.estimate(self.adaptive), cost,
-                                 min(room, self.drafter.config.num_draft_tokens)) == 0:
+            # No draft would pay (low acceptance, or a batch where extra rows cost about a step
+            # each): skip the lookup, whose answer would be cut to nothing anyway.
+            if not st.tracker.may_draft(min(room, self.drafter.config.num_draft_tokens), cost, self.adaptive):
                 out.append([])
                 continue
             draft = self.drafter.propose(req.fill_ids, max_tokens=room)

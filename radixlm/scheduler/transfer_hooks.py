@@ -2,8 +2,8 @@
 
 The scheduler knows nothing of rooms or links: with `--disaggregation-mode prefill|decode` the
 scheduler process gives it an object with these hooks, which moves requests in and out of
-`Place.TRANSFER` and ends them through `Scheduler.stop` (or `Scheduler.finish` for one in no place) like everything
-else.
+`Place.TRANSFER` and ends them through `Scheduler.stop` (or `Scheduler.finish` for one in no
+place) like everything else.
 """
 from __future__ import annotations
 

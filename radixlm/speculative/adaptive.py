@@ -75,6 +75,11 @@ class AcceptanceTracker:
         self.accepted = self.accepted * cfg.decay + accepted
         self.trials = self.trials * cfg.decay + accepted + (1 if accepted < drafted else 0)
 
+    def may_draft(self, max_k: int, extra_token_cost: float, cfg: AdaptiveConfig) -> bool:
+        """Whether any draft of at most max_k tokens could get a non-zero draft_length now; when
+        not, the caller need not look one up (draft_length would be 0 for every match)."""
+        return best_draft_length(self.estimate(cfg), extra_token_cost, max_k) > 0
+
     def draft_length(self, match_length: int, max_k: int, extra_token_cost: float, cfg: AdaptiveConfig) -> int:
         """How many of a proposed draft (from a match of match_length tokens) to verify."""
         if match_length < cfg.min_match_length:

@@ -79,3 +79,15 @@ def test_short_matches_are_dropped_and_validation():
     for bad in ({"min_match_length": 0}, {"prior": 1.5}, {"prior_weight": 0.0}, {"decay": 0.0}):
         with pytest.raises(ValueError):
             AdaptiveConfig(**bad)
+
+
+def test_may_draft_is_false_exactly_when_no_match_could_draft():
+    """The scheduler skips the n-gram lookup when may_draft is False: that must never drop a
+    draft draft_length would have kept, and must say True whenever one could be kept."""
+    rng = random.Random(3)
+    for _ in range(500):
+        trials = rng.uniform(0, 30)
+        t = AcceptanceTracker(accepted=rng.uniform(0, trials), trials=trials)
+        cost, cap = rng.choice([0.05, 0.3, 0.7, 1.0]), rng.randrange(0, 9)
+        could = any(t.draft_length(m, k, cost, CFG) > 0 for m in range(0, 13) for k in range(0, cap + 1))
+        assert t.may_draft(cap, cost, CFG) == could
