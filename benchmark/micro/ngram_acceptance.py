@@ -166,7 +166,8 @@ def index_bytes_per_entry(seqs: list[list[int]], cfg: NgramConfig) -> float:
     return round(used / max(1, len(d.index)), 1)
 
 
-def measure_extra_token_cost(batch: int, k: int, dtype: str, repeats: int = 5) -> dict:
+def measure_extra_token_cost(batch: int, k: int, dtype: str, repeats: int = 5,
+                             quantization: str | None = None) -> dict:
     """Forward + LM head wall time of a decode step (batch rows x 1 token) and of a verify step
     (batch rows x (k + 1) tokens, cpu backend) on the default model; their ratio gives the cost
     of one verified token relative to a decode step: (t_verify / t_decode - 1) / k."""
@@ -176,7 +177,8 @@ def measure_extra_token_cost(batch: int, k: int, dtype: str, repeats: int = 5) -
     from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
     from radixlm.srt.model_runner.runner import ModelRunner
 
-    args = ServerArgs(model_path=None, dtype=dtype, attention_backend="cpu", max_total_tokens=16384)
+    args = ServerArgs(model_path=None, dtype=dtype, quantization=quantization, attention_backend="cpu",
+                      max_total_tokens=16384)
     r = ModelRunner(args.runner_config() if hasattr(args, "runner_config") else args)
     table = r.req_to_token if hasattr(r, "req_to_token") else r.req_to_token_pool.req_to_token
     prompt_len = 256
@@ -199,6 +201,7 @@ def measure_extra_token_cost(batch: int, k: int, dtype: str, repeats: int = 5) -
     t_dec = min(step(1) for _ in range(repeats))
     t_ver = min(step(k + 1) for _ in range(repeats))
     return {"batch": batch, "k": k, "dtype": dtype, "decode_ms": round(1e3 * t_dec, 2),
+            "quantization": quantization,
             "verify_ms": round(1e3 * t_ver, 2), "extra_token_cost": round((t_ver / t_dec - 1) / k, 3)}
 
 
@@ -215,11 +218,13 @@ def main() -> None:
                     help="also time decode vs verify forwards of the default model (cpu backend) at these batch "
                          "sizes, and use the first one's extra_token_cost")
     ap.add_argument("--dtype", default="bfloat16", help="model dtype for --measure-cost")
+    ap.add_argument("--quantization", choices=["w8a8_int8"], help="weights' quantization for --measure-cost")
     args = ap.parse_args()
     from radixlm.srt.weights.loader import default_model_path
     from radixlm.srt.weights.tokenizer import load_tokenizer
     tok = load_tokenizer(default_model_path())
-    costs = [measure_extra_token_cost(b, max(args.num_draft_tokens), args.dtype) for b in args.measure_cost or []]
+    costs = [measure_extra_token_cost(b, max(args.num_draft_tokens), args.dtype, quantization=args.quantization)
+             for b in args.measure_cost or []]
     if costs:
         args.extra_token_cost = max(costs[0]["extra_token_cost"], 0.0)
 

@@ -26,6 +26,7 @@ from radixlm.speculative.acceptance import Verified
 from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
 from radixlm.speculative.grammar_drafts import constrain_draft
+from radixlm.speculative.step_cost import StepCost, priced_ratios
 
 if TYPE_CHECKING:
     from radixlm.scheduler.scheduler import Scheduler
@@ -37,6 +38,7 @@ __all__ = ["SpecState", "Speculation", "extra_token_cost"]
 # step turns compute-bound as the batch grows (benchmark/micro/ngram_acceptance.py --measure-cost:
 # 0.0-0.09 at batch 1, 0.15-0.64 at batch 32 on this 2-core machine under load). Linear in the
 # batch from a floor, capped at 1: at batch 32 only drafts accepted ~80% of the time still pay.
+# Used only until (or unless) the runner measured this machine's costs (Speculation.step_cost).
 COST_FLOOR = 0.05
 COST_PER_ROW = 0.02
 
@@ -75,6 +77,10 @@ class Speculation:
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
         self.stats = SpecStats()
+        # Verify-step costs measured on this runner (scheduler_process sets it at start-up);
+        # None: the extra_token_cost line.
+        self.step_cost: StepCost | None = None
+        self._costs: dict[tuple[int, int], tuple[float, ...]] = {}  # (batch size, cap) -> cost(0..cap)
         # this step's grammar rows: id(req) -> the masks of the draft's verified positions
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -88,7 +94,8 @@ class Speculation:
 
     def drafts(self, reqs: list[Req]) -> list[list[int]]:
         """Each row's draft for this step (possibly empty)."""
-        cost = extra_token_cost(len(reqs))
+        max_k = self.drafter.config.num_draft_tokens
+        cost = self._cost(len(reqs), max_k)
         out: list[list[int]] = []
         for req in reqs:
             st = self.state(req)
@@ -96,13 +103,26 @@ class Speculation:
                               self.max_context_len - len(req.fill_ids) - 1))
             # No draft would pay (low acceptance, or a batch where extra rows cost about a step
             # each): skip the lookup, whose answer would be cut to nothing anyway.
-            if not st.tracker.may_draft(min(room, self.drafter.config.num_draft_tokens), cost, self.adaptive):
+            if not st.tracker.may_draft(min(room, max_k), cost, self.adaptive):
                 out.append([])
                 continue
             draft = self.drafter.propose(req.fill_ids, max_tokens=room)
             k = st.tracker.draft_length(draft.match_length, len(draft.tokens), cost, self.adaptive)
             out.append(self._constrain(req, draft.tokens[:k]))
         return self._fit(out, len(reqs))
+
+    def _cost(self, batch_size: int, max_k: int) -> float | tuple[float, ...]:
+        """This step's cost(0..max_k) (step_cost.py), per batch size and cap once."""
+        line = extra_token_cost(batch_size)
+        if self.step_cost is None:
+            return line
+        got = self._costs.get((batch_size, max_k))
+        if got is None:
+            got = priced_ratios(self.step_cost, line, batch_size, max_k)
+            if len(self._costs) > 4096:
+                self._costs.clear()
+            self._costs[(batch_size, max_k)] = got
+        return got
 
     def _constrain(self, req: Req, draft: list[int]) -> list[int]:
         """A grammar row's draft cut at the first token its grammar rejects (or before one that
@@ -227,4 +247,5 @@ class Speculation:
         rate = st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else 0.0
         length = 1 + st.spec_accepted_tokens / st.spec_verify_rows if st.spec_verify_rows else 0.0
         return {"speculative_algorithm": "ngram", **vars(st), "spec_accept_rate": round(rate, 4),
-                "spec_accept_length": round(length, 4), "spec_index_entries": len(self.drafter.index)}
+                "spec_accept_length": round(length, 4), "spec_index_entries": len(self.drafter.index),
+                "spec_step_cost": self.step_cost.as_dict() if self.step_cost is not None else None}

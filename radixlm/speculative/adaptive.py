@@ -3,10 +3,11 @@ when extra verified tokens cost more than they save (large batches).
 
 Model: each draft token is accepted with probability a once the ones before it were (what
 rejection makes of a draft: the first rejection ends the run). A draft of k tokens then emits
-E(k) = 1 + a + ... + a^k tokens in one step, and costs 1 + c * k decode steps, where c is the
-cost of one more verified token relative to a whole decode step (small for a memory-bound
-single stream, close to 1 / batch size once the batch is compute-bound: the caller measures it,
-see README.md). The row drafts the k in [0, max_k] that maximises E(k) / (1 + c k).
+E(k) = 1 + a + ... + a^k tokens in one step, and costs cost(k) decode steps. The cost is either
+a number c, read as cost(k) = 1 + c k (c: one more verified token relative to a whole decode
+step, small for a memory-bound single stream, near 1 once the batch is compute-bound), or the
+sequence cost(0..max_k) itself, as measured on this machine (step_cost.py). The row drafts the
+k in [0, max_k] that maximises E(k) / cost(k).
 
 `AcceptanceTracker` estimates a per request from its own steps: n accepted of k drafted is n
 successes and, if n < k, one failure (the maximum-likelihood estimate of a for such runs).
@@ -16,9 +17,13 @@ integration keeps on the request (it dies with it: nothing to free on the stop p
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["AcceptanceTracker", "AdaptiveConfig", "best_draft_length", "expected_emitted"]
+# A draft's cost: c of cost(k) = 1 + c k, or cost(0..max_k) (cost(0) = 1).
+DraftCost = float | Sequence[float]
+
+__all__ = ["AcceptanceTracker", "AdaptiveConfig", "DraftCost", "best_draft_length", "expected_emitted"]
 
 
 @dataclass(frozen=True)
@@ -46,13 +51,17 @@ def expected_emitted(a: float, k: int) -> float:
     return float(sum(a ** i for i in range(k + 1)))
 
 
-def best_draft_length(a: float, extra_token_cost: float, max_k: int) -> int:
-    """The k in [0, max_k] maximising expected tokens per unit of step cost (ties: shorter)."""
+def best_draft_length(a: float, cost: DraftCost, max_k: int) -> int:
+    """The k in [0, max_k] maximising expected tokens per unit of step cost (ties: shorter).
+    A cost sequence shorter than max_k + 1 caps k at its last index."""
+    if not isinstance(cost, (int, float)):
+        max_k = min(max_k, len(cost) - 1)
     if max_k <= 0 or a <= 0.0:
         return 0
     best_k, best = 0, 1.0
     for k in range(1, max_k + 1):
-        gain = expected_emitted(a, k) / (1.0 + extra_token_cost * k)
+        step = 1.0 + cost * k if isinstance(cost, (int, float)) else cost[k]
+        gain = expected_emitted(a, k) / step
         if gain > best + 1e-12:
             best_k, best = k, gain
     return best_k
@@ -75,13 +84,13 @@ class AcceptanceTracker:
         self.accepted = self.accepted * cfg.decay + accepted
         self.trials = self.trials * cfg.decay + accepted + (1 if accepted < drafted else 0)
 
-    def may_draft(self, max_k: int, extra_token_cost: float, cfg: AdaptiveConfig) -> bool:
+    def may_draft(self, max_k: int, cost: DraftCost, cfg: AdaptiveConfig) -> bool:
         """Whether any draft of at most max_k tokens could get a non-zero draft_length now; when
         not, the caller need not look one up (draft_length would be 0 for every match)."""
-        return best_draft_length(self.estimate(cfg), extra_token_cost, max_k) > 0
+        return best_draft_length(self.estimate(cfg), cost, max_k) > 0
 
-    def draft_length(self, match_length: int, max_k: int, extra_token_cost: float, cfg: AdaptiveConfig) -> int:
+    def draft_length(self, match_length: int, max_k: int, cost: DraftCost, cfg: AdaptiveConfig) -> int:
         """How many of a proposed draft (from a match of match_length tokens) to verify."""
         if match_length < cfg.min_match_length:
             return 0
-        return best_draft_length(self.estimate(cfg), extra_token_cost, max_k)
+        return best_draft_length(self.estimate(cfg), cost, max_k)

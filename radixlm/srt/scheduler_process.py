@@ -73,6 +73,9 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
     scheduler = Scheduler(config, runner, cache, tokenizer=tokenizer, send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids),
                           ranks=ranks)
+    if scheduler.speculation is not None:  # what a verify step costs here, for the draft lengths
+        from radixlm.srt.model_runner.step_timing import measure_step_cost
+        scheduler.speculation.step_cost = measure_step_cost(runner, config.speculative.num_draft_tokens)
     if args.disaggregation_mode != "null":
         from radixlm.disaggregation.build import attach_transfer
         attach_transfer(scheduler, args.disaggregation_mode, host=args.host,

@@ -189,6 +189,8 @@ def test_engine_n_samples_meta_info_and_server_info(engine, plain):
     info = engine.get_server_info()
     assert info["speculative_algorithm"] == "ngram" and info["spec_accepted_tokens"] > 0
     assert 0 < info["spec_accept_rate"] <= 1
+    assert info["spec_step_cost"]["tokens"] == [1, 2, 3, 4, 5, 6, 7, 16, 32, 64]  # measured at start-up
+    assert all(ms > 0 for ms in info["spec_step_cost"]["ms"])
     assert_idle_and_empty(engine)
 
 
