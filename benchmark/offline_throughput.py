@@ -69,6 +69,7 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict, 
     cached = [o.get("meta_info", {}).get("cached_tokens") for o in outs]
     return {"engine": "radixlm", "load_s": round(load_s, 2), **throughput_fields(prompts, out_tokens, wall),
             "runs_output_tok_per_s": [round(out_tokens / w, 1) for w in walls],
+            "runs_wall_s": [round(w, 3) for w in walls],
             "dtype": info["dtype"], "quantization": info.get("quantization"),
             "kv_cache_dtype": info.get("kv_cache_dtype"), "attention_backend": info["attention_backend"], "cached_tokens_total": cached_tokens_total(cached),
             "outputs": [o["output_ids"] for o in outs]}
