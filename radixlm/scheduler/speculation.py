@@ -38,7 +38,8 @@ __all__ = ["SpecState", "Speculation", "extra_token_cost"]
 # step turns compute-bound as the batch grows (benchmark/micro/ngram_acceptance.py --measure-cost:
 # 0.0-0.09 at batch 1, 0.15-0.64 at batch 32 on this 2-core machine under load). Linear in the
 # batch from a floor, capped at 1: at batch 32 only drafts accepted ~80% of the time still pay.
-# Used only until (or unless) the runner measured this machine's costs (Speculation.step_cost).
+# Where the runner measured this machine's forward times (Speculation.step_cost), the line is
+# the floor of the price and the measurement decides above it.
 COST_FLOOR = 0.05
 COST_PER_ROW = 0.02
 
