@@ -81,7 +81,7 @@ class Speculation:
         # Verify-step costs measured on this runner (scheduler_process sets it at start-up);
         # None: the extra_token_cost line.
         self.step_cost: StepCost | None = None
-        self._costs: dict[tuple[int, int], tuple[float, ...]] = {}  # (batch size, cap) -> cost(0..cap)
+        self._costs: dict[int, tuple[float, ...]] = {}  # batch size -> cost(0..num_draft_tokens)
         # this step's grammar rows: id(req) -> the masks of the draft's verified positions
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -113,16 +113,14 @@ class Speculation:
         return self._fit(out, len(reqs))
 
     def _cost(self, batch_size: int, max_k: int) -> float | tuple[float, ...]:
-        """This step's cost(0..max_k) (step_cost.py), per batch size and cap once."""
+        """This step's cost(0..max_k) (step_cost.py), computed once per batch size (max_k is
+        always num_draft_tokens; batch sizes are bounded by max_running_requests)."""
         line = extra_token_cost(batch_size)
         if self.step_cost is None:
             return line
-        got = self._costs.get((batch_size, max_k))
+        got = self._costs.get(batch_size)
         if got is None:
-            got = priced_ratios(self.step_cost, line, batch_size, max_k)
-            if len(self._costs) > 4096:
-                self._costs.clear()
-            self._costs[(batch_size, max_k)] = got
+            got = self._costs[batch_size] = priced_ratios(self.step_cost, line, batch_size, max_k)
         return got
 
     def _constrain(self, req: Req, draft: list[int]) -> list[int]:

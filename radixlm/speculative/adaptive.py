@@ -54,14 +54,14 @@ def expected_emitted(a: float, k: int) -> float:
 def best_draft_length(a: float, cost: DraftCost, max_k: int) -> int:
     """The k in [0, max_k] maximising expected tokens per unit of step cost (ties: shorter).
     A cost sequence shorter than max_k + 1 caps k at its last index."""
-    if not isinstance(cost, (int, float)):
-        max_k = min(max_k, len(cost) - 1)
+    if isinstance(cost, (int, float)):
+        cost = [1.0 + cost * k for k in range(max_k + 1)]
+    max_k = min(max_k, len(cost) - 1)
     if max_k <= 0 or a <= 0.0:
         return 0
     best_k, best = 0, 1.0
     for k in range(1, max_k + 1):
-        step = 1.0 + cost * k if isinstance(cost, (int, float)) else cost[k]
-        gain = expected_emitted(a, k) / step
+        gain = expected_emitted(a, k) / cost[k]
         if gain > best + 1e-12:
             best_k, best = k, gain
     return best_k
