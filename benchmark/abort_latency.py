@@ -1,7 +1,7 @@
 """Abort latency, caller side and KV side; prints one JSON object (docs/cancel_chain.md).
 
     python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 100] [--out FILE]
-                                      [--scheduler-nice 0,5] [--no-http]
+                                      [--scheduler-nice 0,5] [--scheduler-policy normal,idle] [--no-http]
 
 For overlap off and on, `--batch` streaming requests decode at once; one at a time, a live
 one is stopped (and replaced, so the batch stays full), from three entries:
@@ -20,7 +20,8 @@ The decode step length (`step_ms`, median time between a stream's chunks) is rep
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
 Percentiles are nearest-rank (the p99 of 300 samples is the 297th smallest); `--aborts 300`
 gives a p99 that is not just the maximum. `--scheduler-nice 0,5` repeats everything with the
-scheduler at each CPU priority (`compare`).
+scheduler at each CPU priority, `--scheduler-policy normal,idle` at each policy (`compare`: every
+pair of the two lists).
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def run_engine(args, overlap: bool) -> dict:
 
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     with Engine(model_path=args.model_path, dtype=args.dtype, enable_overlap_schedule=overlap,
-                disable_overlap_schedule=not overlap, scheduler_nice=args.nice) as eng:
+                disable_overlap_schedule=not overlap, scheduler_nice=args.nice,
+                scheduler_policy=args.policy) as eng:
         vocab = eng.tokenizer_manager.vocab_size
         rng = random.Random(1)
         eng.generate(input_ids=prompt(rng, vocab), sampling_params={"max_new_tokens": 2})  # warm-up
@@ -143,7 +145,8 @@ class Server:
     def __init__(self, args, overlap: bool) -> None:
         self.port = free_port()
         cmd = [sys.executable, "-m", "radixlm", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", args.dtype, "--scheduler-nice", str(args.nice), "--enable-overlap-schedule" if overlap else "--disable-overlap-schedule"]
+               "--dtype", args.dtype, "--scheduler-nice", str(args.nice),
+               "--scheduler-policy", args.policy, "--enable-overlap-schedule" if overlap else "--disable-overlap-schedule"]
         if args.model_path:
             cmd += ["--model-path", args.model_path]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -268,12 +271,14 @@ def main() -> None:
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--scheduler-nice", default="0",
                     help="comma-separated --scheduler-nice values to compare (the first is the headline)")
+    ap.add_argument("--scheduler-policy", default="normal",
+                    help="comma-separated --scheduler-policy values to compare (normal, idle)")
     args = ap.parse_args()
-    nices = [int(n) for n in args.scheduler_nice.split(",")]
-    result: dict = {"workload": vars(args)}
-    for i, nice in enumerate(nices):
-        args.nice = nice
-        runs: dict = {"scheduler_nice": nice}
+    settings = [(int(n), p) for p in args.scheduler_policy.split(",") for n in args.scheduler_nice.split(",")]
+    result: dict = {"workload": dict(vars(args))}
+    for i, (nice, policy) in enumerate(settings):
+        args.nice, args.policy = nice, policy
+        runs: dict = {"scheduler_nice": nice, "scheduler_policy": policy}
         for overlap in (False, True):
             mode = {**run_engine(args, overlap)}
             if not args.no_http:

@@ -176,6 +176,12 @@ class ServerArgs:
                                "the detokenizer, which answer callers, preempt the forward's threads at "
                                "once (5 cut the HTTP abort answer's p99 by a third on 2 busy cores); it "
                                "also makes the forward yield to every other process", default=0)
+    scheduler_policy: str = _opt("Linux scheduling policy of the scheduler processes: normal, or idle "
+                                 "(SCHED_IDLE: any other thread preempts the forward when it wakes, and the "
+                                 "front end's loop thread takes SCHED_BATCH; an abort's answer then takes "
+                                 "< 4 ms p99 on 2 busy cores, but the forward gets almost no CPU while "
+                                 "anything else on the machine wants it)",
+                                 choices=("normal", "idle"), default="normal")
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",

@@ -1,12 +1,16 @@
 """Where a slow Engine abort answer waits: per abort, the answer time and how long the engine's
 loop thread and the caller's thread sat runnable without a CPU meanwhile (Linux schedstat).
 
-    python benchmark/micro/abort_runqueue.py [NICE]   # the scheduler's niceness, default 19
+    python benchmark/micro/abort_runqueue.py [NICE] [--rows FILE]   # the scheduler's niceness, default 19
+
+--rows writes every abort (CLOCK_MONOTONIC times, the threads' ids) for sched_trace.py, which
+says who held the CPUs while a slow answer's caller waited (under `perf record -k CLOCK_MONOTONIC`).
 
 8 streams decode (overlap off); 300 times at 0.1-0.3 s, a live one is aborted from the caller's
 asyncio loop and replaced. Prints the 12 slowest answers and the medians (docs/cancel_chain.md
 § Latency has a run).
 """
+import argparse
 import asyncio
 import json
 import os
@@ -26,13 +30,25 @@ def rq(tid: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    nice = int(sys.argv[1]) if len(sys.argv) > 1 else 19
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("nice", nargs="?", type=int, default=19)
+    ap.add_argument("--rows", help="write every abort here (JSON)")
+    ap.add_argument("--policy", default="normal", help="--scheduler-policy (normal, idle)")
+    ap.add_argument("--loop", default="", help="override the engine's loop thread's policy: batch, normal or nice:N")
+    args = ap.parse_args()
+    nice = args.nice
     params = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
-    with Engine(disable_overlap_schedule=True, scheduler_nice=nice) as eng:
+    with Engine(disable_overlap_schedule=True, scheduler_nice=nice, scheduler_policy=args.policy) as eng:
         vocab = eng.tokenizer_manager.vocab_size
         loop_tid = eng._thread.native_id  # the engine's loop thread
         me = threading.get_native_id()
+        if args.loop in ("batch", "normal"):
+            os.sched_setscheduler(loop_tid, os.SCHED_BATCH if args.loop == "batch" else os.SCHED_OTHER,
+                                  os.sched_param(0))
+        elif args.loop.startswith("nice:"):
+            os.setpriority(os.PRIO_PROCESS, loop_tid, int(args.loop[5:]))
         rng = random.Random(1)
+        clock_offset = time.perf_counter() - time.monotonic()  # rows' times in CLOCK_MONOTONIC (perf -k)
 
         def prompt(r: random.Random) -> list[int]:
             return [r.randrange(3, vocab - 1) for _ in range(r.randrange(16, 48))]
@@ -51,7 +67,8 @@ def main() -> None:
                     now = time.perf_counter()
                     (w1, r1), (c1, cr1) = rq(loop_tid), rq(me)
                     w0, r0, c0, cr0, call_ms = pending.pop(rid)
-                    rows.append({"answer_ms": (now - t0[rid]) * 1e3, "abort_call_ms": call_ms,
+                    rows.append({"t_abort": t0[rid] - clock_offset, "t_answer": now - clock_offset,
+                                 "answer_ms": (now - t0[rid]) * 1e3, "abort_call_ms": call_ms,
                                  "loop_wait_ms": w1 - w0, "loop_run_ms": r1 - r0,
                                  "caller_wait_ms": c1 - c0, "caller_run_ms": cr1 - cr0})
             live.pop(rid, None)
@@ -80,9 +97,13 @@ def main() -> None:
             await asyncio.gather(*tasks)
         asyncio.run(go())
     rows.sort(key=lambda r: -r["answer_ms"])
-    print(json.dumps({"scheduler_nice": nice, "n": len(rows),
-                      "slowest": [{k: round(v, 2) for k, v in r.items()} for r in rows[:12]],
-                      "median": {k: round(sorted(r[k] for r in rows)[len(rows) // 2], 3) for k in rows[0]}},
+    if args.rows:
+        with open(args.rows, "w") as f:
+            json.dump({"pid": os.getpid(), "caller_tid": me, "loop_tid": loop_tid, "rows": rows}, f)
+    ms = [k for k in rows[0] if k.endswith("_ms")]
+    print(json.dumps({"scheduler_nice": nice, "scheduler_policy": args.policy, "loop": args.loop, "n": len(rows),
+                      "slowest": [{k: round(r[k], 2) for k in ms} for r in rows[:12]],
+                      "median": {k: round(sorted(r[k] for r in rows)[len(rows) // 2], 3) for k in ms}},
                      indent=1))
 
 

@@ -50,15 +50,6 @@ def die_with_parent(ports) -> None:
         on_term(signal.SIGTERM, None)
 
 
-def lower_priority(nice: int) -> None:
-    """Give the forward's threads way to the processes that answer callers (`--scheduler-nice`):
-    on busy cores a woken front-end thread otherwise waits for a time slice of the forward's
-    OpenMP threads (docs/cancel_chain.md has the measurement). Linux keeps niceness per thread
-    and a new thread inherits its creator's, so this runs before torch starts its pool."""
-    if nice > 0:
-        os.nice(nice)
-
-
 def process_name(kind: str, tp_rank: int = 0) -> str:
     """"scheduler" (TP rank 0, the one the other processes talk to), "scheduler_tp1", ..."""
     return f"{kind}_tp{tp_rank}" if tp_rank else kind
@@ -73,7 +64,8 @@ def main() -> None:
                         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")
     reporter = ReadyReporter(name, ports.ready)
     if kind == "scheduler":
-        lower_priority(args.scheduler_nice)
+        from radixlm.srt.cpu_priority import lower_forward_priority
+        lower_forward_priority(args.scheduler_nice, args.scheduler_policy)
         from radixlm.srt.scheduler_process import run_scheduler_process
         run_scheduler_process(args, ports, reporter, tp_rank)
     elif kind == "detokenizer":

@@ -63,7 +63,7 @@ class Engine:
         self._calls_lock = threading.Lock()
         self.procs = launch_subprocesses(self.server_args)
         self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="radixlm-engine-loop", daemon=True)
         self._thread.start()
 
         async def make() -> TokenizerManager:
@@ -80,6 +80,11 @@ class Engine:
         for name, proc in self.procs.procs.items():
             threading.Thread(target=self._watch_child, args=(name, proc), daemon=True,
                              name=f"radixlm-watch-{name}").start()
+
+    def _run_loop(self) -> None:
+        from radixlm.srt.cpu_priority import front_end_thread
+        front_end_thread(self.server_args.scheduler_policy)
+        self._loop.run_forever()
 
     def _watch_child(self, name: str, proc) -> None:
         from radixlm.srt.launch import describe

@@ -394,6 +394,8 @@ def launch_server(args: ServerArgs, served_model_name: str | None = None) -> Non
         procs = launch_subprocesses(args)
         app = create_app(args, procs, served_model_name)
         server = _make_uvicorn_server(app, args)
+        from radixlm.srt.cpu_priority import front_end_thread
+        front_end_thread(args.scheduler_policy)  # after the children started: they keep the normal policy
         server.run()
         if not server.started:
             raise SystemExit("the HTTP server failed to start (is the port in use?)")

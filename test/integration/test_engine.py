@@ -188,27 +188,43 @@ def test_server_info_and_progress_bar(engine, capsys):
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
 
 
-def thread_nices(pid: int) -> set[int]:
-    """The niceness of every thread of a process (Linux keeps it per thread)."""
-    nices = set()
+def thread_stat_field(pid: int, field: int) -> set[int]:
+    """Field `field` (1-based, proc(5)) of /proc/PID/task/*/stat for every thread of a process."""
+    values = set()
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/stat") as f:
-            nices.add(int(f.read().rsplit(")", 1)[1].split()[16]))
-    return nices
+            values.add(int(f.read().rsplit(")", 1)[1].split()[field - 3]))
+    return values
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The niceness of every thread of a process (Linux keeps it per thread)."""
+    return thread_stat_field(pid, 19)
+
+
+def thread_policies(pid: int) -> set[int]:
+    return thread_stat_field(pid, 41)
 
 
 def test_the_scheduler_keeps_the_launchers_priority_by_default(engine):
     own = os.getpriority(os.PRIO_PROCESS, 0)
     for proc in engine.procs.procs.values():
         assert thread_nices(proc.pid) == {own}
+        assert thread_policies(proc.pid) == {os.SCHED_OTHER}
+    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_OTHER
 
 
 def test_disable_radix_cache(tiny_llama_dir):
     with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=2048,
-                disable_radix_cache=True, debug_check_integrity=True, scheduler_nice=5) as eng:
+                disable_radix_cache=True, debug_check_integrity=True, scheduler_nice=5,
+                scheduler_policy="idle") as eng:
         own = os.getpriority(os.PRIO_PROCESS, 0)
-        assert thread_nices(eng.procs.procs["scheduler"].pid) == {min(19, own + 5)}  # the forward's threads too
-        assert thread_nices(eng.procs.procs["detokenizer"].pid) == {own}
+        scheduler, detokenizer = eng.procs.procs["scheduler"].pid, eng.procs.procs["detokenizer"].pid
+        assert thread_nices(scheduler) == {min(19, own + 5)}  # the forward's threads too
+        assert thread_policies(scheduler) == {os.SCHED_IDLE}
+        assert thread_nices(detokenizer) == {own} and thread_policies(detokenizer) == {os.SCHED_OTHER}
+        # the loop that answers callers never preempts the thread that hands it an abort
+        assert os.sched_getscheduler(eng._thread.native_id) == os.SCHED_BATCH
         a = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
         b = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
         assert a["output_ids"] == b["output_ids"]

@@ -54,3 +54,10 @@ def test_scheduler_nice_is_a_niceness(nice):
     with pytest.raises(ValueError, match="scheduler_nice"):
         ServerArgs.from_kwargs(scheduler_nice=nice)
     assert ServerArgs.from_kwargs(scheduler_nice=0).scheduler_nice == 0
+
+
+def test_scheduler_policy_is_normal_or_idle():
+    assert ServerArgs().scheduler_policy == "normal"
+    assert ServerArgs.from_kwargs(scheduler_policy="idle").scheduler_policy == "idle"
+    with pytest.raises(ValueError, match="scheduler_policy"):
+        ServerArgs.from_kwargs(scheduler_policy="fifo")
