@@ -108,7 +108,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=4096, help="each stream's limit (they are cancelled earlier)")
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="each stream's limit (they are cancelled earlier); the engine reserves all of it for "
+                         "an ignore_eos request, so 16 x 4,096 would not fit a 64k-token pool beside the long prompt")
     ap.add_argument("--long-len", type=int, default=8000)
     ap.add_argument("--baseline-s", type=float, default=3.0)
     ap.add_argument("--tail-s", type=float, default=1.0)

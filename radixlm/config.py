@@ -121,6 +121,10 @@ class ServerArgs:
     chunked_prefill_size: int | None = _opt("maximum tokens of one request per prefill chunk "
                                             "(-1 disables chunking; default 1024 on CPU, 8192 on GPU)",
                                             default=None)
+    disable_chunked_prefill_interleave: bool = _opt(
+        "run a long prompt's chunks back to back (SGLang's default) instead of a decode step "
+        "between them while other requests decode (they then wait for the whole prompt: 40 s "
+        "for 8k tokens on 2 cores)", default=False)
     schedule_policy: str = _opt("order of the waiting queue", default="fcfs")
     schedule_conservativeness: float = _opt("scales the decode-token reservation of running requests",
                                             default=1.0)
@@ -178,8 +182,8 @@ class ServerArgs:
                                "also makes the forward yield to every other process", default=0)
     scheduler_policy: str = _opt("Linux scheduling policy of the scheduler processes: normal, or idle "
                                  "(SCHED_IDLE: any other thread preempts the forward when it wakes, and the "
-                                 "front end's loop thread takes SCHED_BATCH; an abort's answer then takes "
-                                 "< 4 ms p99 on 2 busy cores, but the forward gets almost no CPU while "
+                                 "front end's loop thread takes SCHED_BATCH; an abort's answer then takes 4-5 ms "
+                                 "p99 on 2 busy cores, but the forward gets almost no CPU while "
                                  "anything else on the machine wants it)",
                                  choices=("normal", "idle"), default="normal")
     random_seed: int = _opt("seed of the sampling generators", default=0)
@@ -223,6 +227,7 @@ class ServerArgs:
         from radixlm.scheduler.config import SchedulerConfig
         return SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+            interleave_chunked_prefill=not self.disable_chunked_prefill_interleave,
             max_prefill_tokens=self.max_prefill_tokens, page_size=self.page_size,
             schedule_policy=self.schedule_policy, schedule_conservativeness=self.schedule_conservativeness,
             retraction_policy=self.retraction_policy, random_seed=self.random_seed,

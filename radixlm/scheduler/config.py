@@ -12,6 +12,8 @@ __all__ = ["SchedulerConfig"]
 class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int | None  # None: no chunking
+    # a decode step between the chunks of a long prompt while requests are decoding
+    interleave_chunked_prefill: bool = True
     max_prefill_tokens: int = 16384
     page_size: int = 1
     schedule_policy: str = "fcfs"  # a SCHEDULE_POLICIES name

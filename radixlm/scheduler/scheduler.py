@@ -65,6 +65,7 @@ class Scheduler:
         self.in_flight: InFlight | None = None  # overlap: the batch launched, result not processed
         self._pending_out: list[ReqOutput] = []
         self.paused = False
+        self._chunk_since_decode = False  # the last batch left a prompt mid-way (see _decode_turn)
         self.stats = SchedulerStats()
         self.cancel_latency = CancelLatency()
         self.boundary = ErrorBoundary(self)  # one request's failure ends that request only
@@ -228,17 +229,32 @@ class Scheduler:
             pass
 
     def schedule(self) -> WorkerBatch | None:
-        """The next batch: prefill when any request can be admitted, else a decode step."""
+        """The next batch: prefill when any request can be admitted, else a decode step; between
+        the chunks of a long prompt, a decode step first (interleave_chunked_prefill)."""
         if self.in_flight is not None and (not self.in_flight.batch.is_decode or self.boundary.must_sync):
             # a prefill's requests join decode only once its result is known; a batch to be
             # replayed (error_boundary.py) is processed before another is built on it
             self.sync()
         if self.paused:
             return None
-        batch = self.get_prefill_batch()
-        if batch is None and self.requests.count(Place.RUNNING):
+        if self._decode_turn():
             batch = self.get_decode_batch()
+            if batch is not None:
+                self._chunk_since_decode = False
+                return batch
+        batch = self.get_prefill_batch()
+        if batch is not None:
+            self._chunk_since_decode = not all(batch.sample)  # a prompt continues in a later chunk
+        elif self.requests.count(Place.RUNNING):
+            batch = self.get_decode_batch()
+            self._chunk_since_decode = False
         return batch
+
+    def _decode_turn(self) -> bool:
+        """Whether the decoding requests get a step before a long prompt's next chunk: without
+        it they wait for the whole prompt (every chunk is a full forward of its own)."""
+        return (self.config.interleave_chunked_prefill and self._chunk_since_decode
+                and self.chunked_req is not None and self.requests.count(Place.RUNNING) > 0)
 
     def sync(self) -> None:
         """Process the launched batch now (pause, flush, retraction and weight updates need

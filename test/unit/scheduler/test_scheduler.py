@@ -250,3 +250,37 @@ def test_random_workload_with_small_pool(page_size):
         assert h.tokens(rid) == ref
         h.final(rid)
     h.assert_idle_and_conserved()
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_a_long_prompt_does_not_starve_decoding_requests(interleave):
+    """Between the chunks of a long prompt the decoding requests get a step (issue 24: one 8k
+    prompt held 16 streams for 40 s); with the interleave off, they wait for the whole prompt."""
+    h = make_harness(chunk=8, disable_chunked_prefill_interleave=not interleave)
+    short = [_prompt(5, 40 + i) for i in range(2)]
+    decoding = [h.submit(p, max_new_tokens=30) for p in short]
+    for _ in range(4):
+        h.scheduler.step()
+    assert all(h.tokens(r) for r in decoding)  # both are decoding
+    long_prompt = _prompt(64, 50)  # 8 chunks
+    calls_before = len(h.runner.forward_calls)
+    tokens_before = [len(h.tokens(r)) for r in decoding]
+    long_rid = h.submit(long_prompt, max_new_tokens=3)
+    while not h.outputs.get(long_rid) or not h.tokens(long_rid):
+        h.scheduler.step()
+    calls = h.runner.forward_calls[calls_before:]
+    chunks = [b for b in calls if not b.is_decode]
+    assert len(chunks) == 8
+    gained = [len(h.tokens(r)) - n for r, n in zip(decoding, tokens_before)]
+    if interleave:
+        # a decode step between every two chunks: the streams kept moving
+        kinds = "".join("d" if b.is_decode else "p" for b in calls)
+        assert "pp" not in kinds, kinds
+        assert all(g >= 7 for g in gained), gained
+    else:
+        assert all(g <= 2 for g in gained), gained
+    h.run()
+    assert h.tokens(long_rid) == reference_output(long_prompt, 3)
+    for r, p in zip(decoding, short):
+        assert h.tokens(r) == reference_output(p, 30)
+    h.assert_idle_and_conserved()
