@@ -73,6 +73,11 @@ def _write_policies() -> list[str]:
     return list(WRITE_POLICIES)
 
 
+def _scheduler_policies() -> list[str]:
+    from radixlm.srt.cpu_priority import SCHEDULER_POLICIES
+    return list(SCHEDULER_POLICIES)
+
+
 def _attention_backends() -> list[str]:
     from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
     return ["auto", *ATTENTION_BACKENDS.names()]
@@ -82,7 +87,7 @@ def _attention_backends() -> list[str]:
 REGISTRY_CHOICES: dict[str, Callable[[], list[str]]] = {
     "radix_eviction_policy": _eviction_policies, "schedule_policy": _schedule_policies,
     "retraction_policy": _retraction_policies, "hicache_write_policy": _write_policies,
-    "attention_backend": _attention_backends}
+    "attention_backend": _attention_backends, "scheduler_policy": _scheduler_policies}
 
 
 def field_choices(name: str, metadata: Any) -> list[str] | tuple[str, ...] | None:
@@ -184,8 +189,7 @@ class ServerArgs:
                                  "(SCHED_IDLE: any other thread preempts the forward when it wakes, and the "
                                  "front end's loop thread takes SCHED_BATCH; an abort's answer then takes 4-5 ms "
                                  "p99 on 2 busy cores, but the forward gets almost no CPU while "
-                                 "anything else on the machine wants it)",
-                                 choices=("normal", "idle"), default="normal")
+                                 "anything else on the machine wants it)", default="normal")
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
