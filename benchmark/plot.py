@@ -1,13 +1,15 @@
 """Plot the benchmark results: reads the JSON files under benchmark/results/ (or the files
 given) and writes one PNG.
 
-    python benchmark/plot.py [FILE.json ...] [--out benchmark/results/benchmarks.png]
+    python benchmark/plot.py [FILE.json ...] [--out benchmark/results/benchmarks.png] [--isa avx2|avx512|any]
 
 Panels, each drawn when some file has its data:
   - output tok/s per engine per offline workload (offline_throughput, prefix_sharing, ...);
   - single-stream latency: decode ms/token and TTFT per engine;
   - serving: output tok/s vs concurrency per engine, and inter-token / first-token latency
     percentiles (p50, p90, p99) vs concurrency.
+Results from different processors are never mixed in one plot: --isa keeps the files measured
+on an AVX-512 CPU (avx512) or an AVX2-only one (avx2); the default is the kind this machine is.
 matplotlib is optional (not a radixlm dependency): `pip install matplotlib`.
 """
 from __future__ import annotations
@@ -77,6 +79,21 @@ def load(paths: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
+def isa_kind(machine: dict | None) -> str | None:
+    """avx512 or avx2, from a result's machine description (None when it has none)."""
+    if not machine or "isa" not in machine:
+        return None
+    return "avx512" if "avx512f" in machine["isa"] else "avx2"
+
+
+def this_isa() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512" if " avx512f" in f.read() else "avx2"
+    except OSError:
+        return "avx2"
+
+
 def conc_label(c) -> str:
     return "all" if c is None else str(c)
 
@@ -85,7 +102,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help=f"result JSON files (default: {RESULTS}/*.json)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "benchmarks.png"))
+    ap.add_argument("--isa", choices=("avx2", "avx512", "any"), default=None,
+                    help="plot the results of this kind of CPU only (default: this machine's)")
     args = ap.parse_args()
+    isa = args.isa or this_isa()
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -94,6 +114,8 @@ def main() -> None:
         raise SystemExit("benchmark/plot.py needs matplotlib (not a radixlm dependency): pip install matplotlib")
 
     results = load(args.files or sorted(glob.glob(os.path.join(RESULTS, "*.json"))))
+    if isa != "any":
+        results = [(n, r) for n, r in results if isa_kind(r.get("machine")) == isa]
     groups: dict[str, list[tuple[str, dict]]] = {"throughput": [], "latency": [], "serving": []}
     for name, r in results:
         kind = classify(r)

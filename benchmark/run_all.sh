@@ -43,8 +43,9 @@ run python benchmark/micro/step_components.py --batch 32 --ctx 1000 --dtype bflo
 run python benchmark/micro/step_components.py --batch 32 --ctx 1000 --dtype bfloat16 --quantization w8a8_int8 --out $R/profiles/components_b32_ctx1000_w8a8.json
 
 # the serving curve to 256 concurrent streams (KV bytes per token per dtype: roofline.json)
-run python benchmark/serving.py --launch --dataset chat --num-prompts 256 --output-len 128 --max-concurrency 1,8,32,64,128,256 --peer vllm --out $R/serving.json --dtype bfloat16
-run python benchmark/serving.py --launch --dataset chat --num-prompts 256 --output-len 128 --max-concurrency 1,8,32,64,128,256 --out $R/serving_w8a8.json --dtype bfloat16 --quantization w8a8_int8 --kv-cache-dtype int8
+# (twice as many prompts as streams, 16 at least: two waves at each level, ~5 min for radixlm)
+run python benchmark/serving.py --launch --dataset chat --num-prompts 16,32,64,128,256,512 --output-len 128 --max-concurrency 1,8,32,64,128,256 --peer vllm --out $R/serving_curve.json --dtype bfloat16
+run python benchmark/serving.py --launch --dataset chat --num-prompts 16,32,64,128,256,512 --output-len 128 --max-concurrency 1,8,32,64,128,256 --out $R/serving_curve_w8a8_kvint8.json --dtype bfloat16 --quantization w8a8_int8 --kv-cache-dtype int8
 
 # single stream and the earlier workloads
 run python benchmark/latency.py --prompt-len 42 --output-len 128 --repeats 5 --dtype bfloat16 $P --out $R/latency.json

