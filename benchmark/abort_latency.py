@@ -12,8 +12,12 @@ Measured from the moment of the abort call (or of the close), wall clock, one ma
 - answer_ms: until the caller holds its terminal answer (the final chunk). A disconnected
   client holds nothing: there it is until the front end accepted the abort (the request
   answered and detached; `front_end.recent_aborts`);
-- front_end_accepted_ms (Engine): until the TokenizerManager, on the engine's loop thread,
-  answered the request (the first of the two thread hand-overs the answer takes);
+- front_end_accepted_ms (Engine and POST): until the TokenizerManager, on the engine's (or the
+  server's) loop thread, answered the request (the first of the answer's hand-overs);
+- post_returned_ms (POST): until the POST's own reply reached the client.
+The POST goes out on a raw keep-alive socket, as the streams are read from raw sockets: an
+HTTP client library would measure itself (httpx adds 1-1.5 ms p50 and 3-4 ms p99 per request
+on these cores, unloaded, over the server's 0.3-0.5 ms p50).
 - kv_release_ms: until the scheduler returned the request's KV (`recent_cancels`, recorded
   where the release happens, after every batch holding the request resolved).
 The decode step length (`step_ms`, median time between a stream's chunks) is reported next
@@ -53,6 +57,11 @@ def pct(xs: list[float]) -> dict:
     def rank(q: float) -> float:  # nearest rank: the smallest value with a share >= q at or below it
         return round(s[max(0, math.ceil(q * len(s)) - 1)] * 1e3, 2)
     return {"n": len(s), "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": round(s[-1] * 1e3, 2)}
+
+
+def slowest(xs: list[float], n: int = 5) -> list[list[float]]:
+    """[ordinal, ms] of the n largest values: whether the tail is start-up or steady state."""
+    return [[i, round(x * 1e3, 1)] for i, x in sorted(enumerate(xs), key=lambda ix: -ix[1])[:n]]
 
 
 def prompt(rng: random.Random, vocab: int) -> list[int]:
@@ -130,7 +139,8 @@ def run_engine(args, overlap: bool) -> dict:
         time.sleep(0.5)
         info = eng.get_server_info()
         return {"engine_abort": {"answer_ms": pct(answer), "front_end_accepted_ms": pct(front_end_accepted(info, t0)),
-                                 "kv_release_ms": pct(kv_release(info, t0))},
+                                 "kv_release_ms": pct(kv_release(info, t0)),
+                                 "kv_release_slowest": slowest(kv_release(info, t0)), "scheduler_gc": info.get("gc")},
                 "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
 
 
@@ -171,6 +181,38 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class RawPost:
+    """POSTs of small JSON bodies on one keep-alive raw socket, each written with one send."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def post(self, path: str, body: dict) -> dict:
+        payload = json.dumps(body).encode()
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += self.recv()
+        head, rest = buf.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(rest) < length:
+            rest += self.recv()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        return json.loads(rest[:length])
+
+    def recv(self) -> bytes:
+        data = self.sock.recv(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class Stream:
@@ -216,6 +258,7 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     t0: dict[str, float] = {}
     answer: list[float] = []
+    post_returned: list[float] = []
     live: dict[str, Stream] = {}
     lock = threading.Lock()
 
@@ -233,6 +276,8 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
         with lock:
             live[rid] = Stream(srv, rid, body, on_event)
 
+    # (opened now, used every ~interval: the server closes a keep-alive connection idle for 5 s)
+    poster = RawPost(srv.port) if entry == "http_abort" else None
     for i in range(args.batch):
         launch(i)
     for k in range(args.aborts):
@@ -244,19 +289,28 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
         s = rng.choice(ready)
         t0[s.rid] = time.time()
         if entry == "http_abort":
-            srv.http.post("/abort_request", json={"rid": s.rid})
+            assert poster is not None
+            poster.post("/abort_request", {"rid": s.rid})
+            post_returned.append(time.time() - t0[s.rid])
         else:
             s.sock.shutdown(socket.SHUT_RDWR)  # (a bare close() waits for the reader's recv)
             s.sock.close()
             with lock:
                 live.pop(s.rid, None)
         launch(args.batch + k)
+    if poster is not None:
+        poster.close()
     srv.http.post("/abort_request", json={"abort_all": True})
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
+    accepted = front_end_accepted(info, t0)
     if entry == "http_disconnect":
-        answer = front_end_accepted(info, t0)
-    return {"answer_ms": pct(answer), "kv_release_ms": pct(kv_release(info, t0))}
+        return {"answer_ms": pct(accepted), "kv_release_ms": pct(kv_release(info, t0)), "scheduler_gc": info.get("gc")}
+    # the answer's hops: the server accepted the abort, the POST's reply reached the client, the
+    # aborted stream's final chunk reached its reader thread (answer_ms)
+    return {"answer_ms": pct(answer), "front_end_accepted_ms": pct(accepted),
+            "post_returned_ms": pct(post_returned), "kv_release_ms": pct(kv_release(info, t0)),
+            "scheduler_gc": info.get("gc")}
 
 
 def main() -> None:

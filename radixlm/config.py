@@ -190,6 +190,9 @@ class ServerArgs:
                                  "front end's loop thread takes SCHED_BATCH; an abort's answer then takes 4-5 ms "
                                  "p99 on 2 busy cores, but the forward gets almost no CPU while "
                                  "anything else on the machine wants it)", default="normal")
+    gc_warning_threshold_secs: float = _opt("log a warning when one garbage collection pauses a radixlm process "
+                                            "longer than this (0: never); every pause is counted in "
+                                            "get_server_info's gc entry either way", default=0.0)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",

@@ -77,6 +77,8 @@ class Scheduler:
             self.speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size)
         # prefill/decode disaggregation (radixlm/disaggregation): set by its builder
         self.transfer: TransferHooks | None = None
+        # entries get_info adds from the process running this scheduler (its GC counters)
+        self.process_info: Callable[[], dict[str, Any]] | None = None
 
     # ================================================================ where requests are
     @property

@@ -72,6 +72,9 @@ def run_detokenizer_process(args: ServerArgs, ports: PortArgs, ready) -> None:
         to_tokenizer = Sender(ctx, ports.tokenizer_input)
         manager = DetokenizerManager(None if args.skip_tokenizer_init else
                                      load_tokenizer(args.tokenizer_path or resolve_model_path(args.model_path)))
+        from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
+        freeze_startup_heap()
+        GCWatch(args.gc_warning_threshold_secs).install()
         ready.send({"status": "ready"})
     except Exception as e:
         ready.error(e)

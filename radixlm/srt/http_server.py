@@ -86,6 +86,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
         from radixlm.srt.openai_serving import OpenAIServing
         from radixlm.srt.tokenizer_manager import TokenizerManager
 
@@ -95,6 +96,9 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
         ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
+        # only `radixlm serve` creates this app: the process is ours (an Engine's never is)
+        freeze_startup_heap()
+        gc_watch = GCWatch(args.gc_warning_threshold_secs).install()
         try:
             yield
         finally:
@@ -102,6 +106,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
             ctx.tm.shut_down(SHUTDOWN_MESSAGE)
             await ctx.openai.chat_templates.aclose()
             await ctx.tm.close()
+            gc_watch.uninstall()
 
     app = FastAPI(title="radixlm", default_response_class=ORJSONResponse, lifespan=lifespan,
                   docs_url=None, redoc_url=None)

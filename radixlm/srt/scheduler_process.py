@@ -102,6 +102,11 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
             receiver = Receiver(ctx, ports.scheduler_input)
             to_detok = Sender(ctx, ports.detokenizer_input)
         scheduler, runner = build_scheduler(args, to_detok.send if to_detok else (lambda out: None), tp)
+        # the model and everything start-up built leave the collector's reach (gc_watch.py)
+        from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
+        freeze_startup_heap()
+        watch = GCWatch(args.gc_warning_threshold_secs).install()
+        scheduler.process_info = lambda: {"gc": watch.stats()}
         ready.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank,
                     "model_path": runner.model_path, "vocab_size": runner.vocab_size,
                     "max_context_len": runner.max_context_len,

@@ -1,6 +1,7 @@
 """The offline Engine end to end on a tiny random Llama (fast) against Hugging Face."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -186,6 +187,10 @@ def test_server_info_and_progress_bar(engine, capsys):
     info = engine.get_server_info()
     assert set(info["memory"]) == {"capacity", "free", "evictable", "protected"}
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+    # the scheduler froze its start-up heap (the model) and counts every collection since
+    assert info["gc"]["frozen_objects"] > 10_000
+    assert len(info["gc"]["collections"]) == len(info["gc"]["pause_max_s"]) == 3
+    assert gc.get_freeze_count() == 0  # never in the process that embeds the Engine
 
 
 def thread_stat_field(pid: int, field: int) -> set[int]:
