@@ -138,9 +138,10 @@ def run_engine(args, overlap: bool) -> dict:
         asyncio.run(go())
         time.sleep(0.5)
         info = eng.get_server_info()
+        released = kv_release(info, t0)
         return {"engine_abort": {"answer_ms": pct(answer), "front_end_accepted_ms": pct(front_end_accepted(info, t0)),
-                                 "kv_release_ms": pct(kv_release(info, t0)),
-                                 "kv_release_slowest": slowest(kv_release(info, t0)), "scheduler_gc": info.get("gc")},
+                                 "kv_release_ms": pct(released), "kv_release_slowest": slowest(released),
+                                 "scheduler_gc": info.get("gc")},
                 "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
 
 
@@ -304,13 +305,13 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
     accepted = front_end_accepted(info, t0)
+    common = {"kv_release_ms": pct(kv_release(info, t0)), "scheduler_gc": info.get("gc")}
     if entry == "http_disconnect":
-        return {"answer_ms": pct(accepted), "kv_release_ms": pct(kv_release(info, t0)), "scheduler_gc": info.get("gc")}
+        return {"answer_ms": pct(accepted), **common}
     # the answer's hops: the server accepted the abort, the POST's reply reached the client, the
     # aborted stream's final chunk reached its reader thread (answer_ms)
     return {"answer_ms": pct(answer), "front_end_accepted_ms": pct(accepted),
-            "post_returned_ms": pct(post_returned), "kv_release_ms": pct(kv_release(info, t0)),
-            "scheduler_gc": info.get("gc")}
+            "post_returned_ms": pct(post_returned), **common}
 
 
 def main() -> None:

@@ -87,11 +87,8 @@ def isa_kind(machine: dict | None) -> str | None:
 
 
 def this_isa() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512" if " avx512f" in f.read() else "avx2"
-    except OSError:
-        return "avx2"
+    from radixlm.kernels.cpu.cpuinfo import cpu_flags
+    return "avx512" if "avx512f" in cpu_flags() else "avx2"
 
 
 def conc_label(c) -> str:
