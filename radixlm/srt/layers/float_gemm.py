@@ -1,8 +1,14 @@
-"""Float32/bfloat16 linear on radixlm's own AVX2 + FMA GEMM (kernels/cpu/float_gemm.cpp), for
-CPUs without bf16 dot products (no AMX, no AVX512-BF16: e.g. AMD Zen 3).
+"""Float32/bfloat16 linear on radixlm's own AVX2 + FMA GEMM (kernels/cpu/float_gemm.cpp): every
+float32 Linear on an AVX2 CPU, and bfloat16 ones on CPUs without bf16 dot products (no AMX, no
+AVX512-BF16: e.g. AMD Zen 3).
 
-Why: there torch's bf16 matmul is emulated, 4-8x slower than its fp32 one, and its fp32 one
-reaches ~40% of the FMA peak at decode batch sizes (benchmark/micro/roofline.py). The kernel
+Why bf16 there: torch's bf16 matmul is emulated, 4-8x slower than its fp32 one, and its fp32
+one reaches ~40% of the FMA peak at decode batch sizes (benchmark/micro/roofline.py).
+Why float32 everywhere: a row's result must not depend on how many rows are multiplied with it
+(speculative verification extends K tokens and must give the logits of K one-token decode steps
+bit for bit). This kernel computes every row alike; torch's float32 GEMM on AVX-512 (MKL) runs
+rows in blocks of 4 and the leftover rows through another kernel, ~1e-7 apart, and measured on
+Zen 4 (2 cores, SmolLM2 shapes) it is also 1.1-4x slower than this one up to 64 rows. The kernel
 multiplies through a copy of the weight packed once into 16-column panels, accumulating in
 float32 and rounding once to the output dtype: the numbers of torch's float32 linear (a
 bfloat16 model: of torch's bfloat16 linear, which also accumulates in float32) up to the
@@ -37,15 +43,16 @@ def available() -> bool:
 
 
 def wanted(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a Linear of this dtype/device should multiply through this kernel: CPUs where
-    torch's own GEMMs lack a fast bf16 path (the kernel is used only where it was measured
-    to win; RADIXLM_FLOAT_GEMM=0 turns it off, =1 forces it on any AVX2 CPU)."""
+    """Whether a Linear of this dtype/device should multiply through this kernel: float32 on
+    every AVX2 CPU, bfloat16 on CPUs where torch's own GEMMs lack a fast bf16 path (there the
+    oneDNN-packed bf16 matmul wins); RADIXLM_FLOAT_GEMM=0 turns it off, =1 forces it for
+    bfloat16 on any AVX2 CPU."""
     forced = envs.float_gemm_forced()
     if forced is False or dtype not in (torch.float32, torch.bfloat16) or torch.device(device).type != "cpu":
         return False
     if not available():
         return False
-    if forced:
+    if forced or dtype == torch.float32:
         return True
     from radixlm.srt.weights.loader import cpu_has_fast_bf16
     return not cpu_has_fast_bf16()

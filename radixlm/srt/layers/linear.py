@@ -11,10 +11,10 @@ The packed copy is derived state: it is built lazily on the first forward and dr
 by `invalidate_packed()` whenever the weight may have been written (the model calls it
 for every parameter the loader or the weight updater addresses by name). A Linear with
 `quantization` set multiplies through an int8 copy instead (int8_linear.py), derived and
-invalidated the same way. On CPUs without a fast bf16 path (AVX2 only, e.g. AMD Zen 3) a
-float32/bfloat16 Linear multiplies through radixlm's own AVX2 GEMM over a panel-packed copy
-instead (float_gemm.py): there torch's bf16 matmul is emulated and its fp32 one slow at decode
-batch sizes.
+invalidated the same way. A float32 Linear on any AVX2 CPU, and a bfloat16 one on CPUs
+without a fast bf16 path (AVX2 only, e.g. AMD Zen 3), multiplies through radixlm's own AVX2
+GEMM over a panel-packed copy instead (float_gemm.py): its rows do not depend on the batch
+size (torch's float32 GEMM's do, on AVX-512), and where bf16 is emulated it is far faster.
 """
 from __future__ import annotations
 

@@ -57,3 +57,27 @@ def test_pack_weight_layout():
     assert p.shape == (2, 3, 16)
     assert torch.equal(p[0, 1, 5], w[5, 1]) and torch.equal(p[1, 2, 3], w[19, 2])
     assert (p[1, :, 4:] == 0).all()  # padding columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(dtype: torch.dtype):
+    # What speculative verification needs: an extend of K rows gives K decode rows bit for bit.
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(72, 96, generator=g).to(dtype)
+    packed = float_gemm.pack_weight(w)
+    x = torch.randn(13, 96, generator=g).to(dtype)
+    full = float_gemm.linear(x, packed, None)
+    for start in range(13):
+        for rows in range(1, 14 - start):
+            assert torch.equal(float_gemm.linear(x[start:start + rows].clone(), packed, None),
+                               full[start:start + rows])
+
+
+def test_float32_always_takes_the_native_kernel(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("RADIXLM_FLOAT_GEMM", raising=False)
+    assert float_gemm.wanted(torch.float32, "cpu")
+    assert not float_gemm.wanted(torch.float16, "cpu")
+    monkeypatch.setenv("RADIXLM_FLOAT_GEMM", "0")
+    assert not float_gemm.wanted(torch.float32, "cpu")
+    monkeypatch.setenv("RADIXLM_FLOAT_GEMM", "1")
+    assert float_gemm.wanted(torch.bfloat16, "cpu")
