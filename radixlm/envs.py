@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "float_gemm_forced", "num_threads",
+__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "bf16_gemm_enabled", "float_gemm_forced", "num_threads",
            "cache_dir", "tp_backend", "CHILD_ENV"]
 
 # The scheduler and detokenizer never reach the Hugging Face Hub: a serving machine may be
@@ -34,6 +34,11 @@ def hugepages_enabled() -> bool:
 def mkldnn_pack_enabled() -> bool:
     """RADIXLM_MKLDNN_PACK=0: no oneDNN-prepacked bf16 linear weights."""
     return _on("RADIXLM_MKLDNN_PACK")
+
+
+def bf16_gemm_enabled() -> bool:
+    """RADIXLM_BF16_GEMM=0: bf16 linears through oneDNN instead of the native AVX512-BF16 GEMM."""
+    return _on("RADIXLM_BF16_GEMM")
 
 
 def float_gemm_forced() -> bool | None:

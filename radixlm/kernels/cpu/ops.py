@@ -279,6 +279,32 @@ def float_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     return out if rc == 0 else None
 
 
+def bf16_gemm_available() -> bool:
+    """Whether the library has the AVX512-BF16 GEMM (bf16_gemm.cpp)."""
+    lib = load()
+    return lib is not None and lib.radixlm_bf16_gemm_available() == 1
+
+
+def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor | None:
+    """x [M, K] bfloat16 (rows contiguous, K even) times a weight packed by bf16_gemm.pack_weight
+    (panels [ceil(n / 64), K / 2, 64, 2] bfloat16, n output columns) -> [M, n] in out_dtype
+    (float32/bfloat16); bias, if given, float32 [n]. None when unsupported."""
+    lib = load()
+    if lib is None or x.dtype != torch.bfloat16 or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
+        return None
+    if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
+        return None
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=out_dtype)
+    rc = lib.radixlm_bf16_linear(_ptr(x), x.stride(0), m, k, _ptr(panels), n,
+                                 _ptr(bias) if bias is not None else None, _DTYPE_CODE[out_dtype], _ptr(out), n,
+                                 torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 class Int8Gemm:
     """A weight packed by int8_linear.pack_int8_weight bound to the native GEMM once, so that
     a call is one output allocation and one ctypes call: int8_linear() above re-checks and

@@ -3,10 +3,12 @@
 torch.nn.Linear runs kaiming init on construction (~1 s for a 135M model on CPU) only
 for the loader to overwrite it; these allocate with torch.empty instead.
 
-On CPUs with AMX/AVX512-bf16, a bfloat16 Linear also keeps a copy of its weight in
-oneDNN's blocked layout ("prepacked") and multiplies through it: F.linear re-blocks the
-weight on every call, and measured here (2 cores, SmolLM2-135M shapes) the prepacked
-matmul is 1.3-1.5x faster at every batch size from 1 to 128 with bit-identical output.
+On CPUs with AVX512-BF16, a bfloat16 Linear keeps a copy of its weight packed for radixlm's
+own AVX512-BF16 GEMM (bf16_gemm.py; on Zen 4, 2 cores, SmolLM2 shapes with the weights
+streaming from DRAM: 1.1-1.4x oneDNN's prepacked matmul at batch 1 and 32). With
+RADIXLM_BF16_GEMM=0 (or an odd in_features) it keeps one in oneDNN's blocked layout
+("prepacked") instead: F.linear re-blocks the weight on every call, and measured here the
+prepacked matmul is 1.3-1.5x faster at every batch size from 1 to 128 with bit-identical output.
 The packed copy is derived state: it is built lazily on the first forward and dropped
 by `invalidate_packed()` whenever the weight may have been written (the model calls it
 for every parameter the loader or the weight updater addresses by name). A Linear with
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import radixlm.envs as envs
-from radixlm.srt.layers import float_gemm
+from radixlm.srt.layers import bf16_gemm, float_gemm
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 
 
@@ -50,11 +52,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-Packed = torch.Tensor | float_gemm.PackedFloatWeight  # oneDNN-blocked or radixlm panels
+Packed = torch.Tensor | float_gemm.PackedFloatWeight | bf16_gemm.PackedBf16Weight  # oneDNN-blocked or radixlm panels
 
 
 def pack_for(weight: torch.Tensor) -> Packed | None:
     """The packed copy a float weight is multiplied through on this CPU, or None (F.linear)."""
+    if bf16_gemm.wanted(weight.dtype, weight.device, weight.shape[1]):
+        return bf16_gemm.pack_weight(weight)
     if mkldnn_pack_supported(weight.dtype, weight.device):
         return pack_weight(weight)
     if float_gemm.wanted(weight.dtype, weight.device):
@@ -67,6 +71,10 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
     """F.linear(x, weight, bias) through `packed` (from pack_for(weight)) when it takes x."""
     if isinstance(packed, float_gemm.PackedFloatWeight):
         out = float_gemm.linear(x, packed, bias)
+        if out is not None:
+            return out
+    elif isinstance(packed, bf16_gemm.PackedBf16Weight):
+        out = bf16_gemm.linear(x, packed, bias) if x.dtype == torch.bfloat16 else None
         if out is not None:
             return out
     elif packed is not None and x.dtype == weight.dtype:

@@ -1,0 +1,146 @@
+// bfloat16 linear on AVX512-BF16 dot products (Zen 4, Sapphire Rapids and later), see
+// radixlm/srt/layers/bf16_gemm.py: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), x and w bf16,
+// float32 accumulation, one rounding to the output dtype.
+//
+// Why: torch's bf16 linear (oneDNN, even with the weight prepacked) reaches ~35-60% of the
+// vdpbf16ps peak at decode batch sizes on 2 cores (benchmark/micro/roofline.py, step_components.py),
+// and its time is the largest part of a bf16 decode step. Here the weight is packed once into
+// panels of 64 output columns whose consecutive k are interleaved in pairs
+// (packed[panel][k / 2][64][2]), so one zmm load holds 16 columns' (w[k], w[k+1]) and one
+// vdpbf16ps against the broadcast pair (x[k], x[k+1]) adds both products for 16 outputs. A
+// micro-tile of 6 rows x 64 columns keeps 24 accumulators in registers, fed per k pair by 4
+// weight loads and 6 broadcasts.
+//
+// Every row is computed the same way whatever the number of rows beside it (the same k order,
+// the same instruction sequence per row), so an extend of K tokens reproduces K decode steps
+// bit for bit (speculative verification relies on it).
+//
+// Tasks: (row block, panel), row-block-major, as float_gemm.cpp.
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#include <algorithm>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RADIXLM_BF16_GEMM 1
+#endif
+
+namespace {
+
+#ifdef RADIXLM_BF16_GEMM
+constexpr int kNR = 64;   // columns per panel (4 zmm of float32 outputs)
+constexpr int kMR = 6;    // rows per micro-tile
+constexpr int64_t kRowBlock = 96;  // activation rows kept in L2 while the panels stream
+
+inline void store16(float* o, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(o, mask, v); }
+inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// out[MR rows][ncols <= 64] = x rows (bf16, xs apart) times one panel (K2 pairs of k).
+// A micro-tile's pass over the whole panel. (Passes over 128- or 256-k slices that stay in L1,
+// partial sums kept between them, measured 5-15% slower at batch 1 and 32 with the weights
+// streaming from DRAM, as in a decode step.)
+template <int MR, typename TO>
+void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const float* bias, TO* out,
+                int64_t os, int ncols) {
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int kp = 0; kp < K2; ++kp) {
+    const uint16_t* w = panel + (int64_t)kp * 2 * kNR;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      memcpy(&pair, x + m * xs + 2 * kp, 4);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, b);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, b);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int left = ncols - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b), mask);
+  }
+}
+
+template <typename TO>
+void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const float* bias,
+                 TO* out, int64_t os, int nthreads) {
+  if (M <= 0) return;
+  const int K2 = K / 2;
+  const int panels = (N + kNR - 1) / kNR;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t tasks = blocks * panels;
+  const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
+#pragma omp parallel for num_threads(nthreads) if (parallel) schedule(static)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t blk = t / panels;
+    const int p = (int)(t % panels);
+    const int64_t r0 = blk * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+    const uint16_t* panel = packed + (int64_t)p * K * kNR;
+    const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
+    const float* b = bias ? bias + c0 : nullptr;
+    // Rows spread evenly over micro-tiles (32 rows: 6,6,5,5,5,5).
+    const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
+    const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
+    int64_t m0 = r0;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t rows = base + (s < extra ? 1 : 0);
+      const uint16_t* xr = x + m0 * xs;
+      TO* o = out + m0 * os + c0;
+      switch (rows) {
+#define RADIXLM_TILE(R) \
+  case R: micro_tile<R, TO>(xr, xs, K2, panel, b, o, os, ncols); break;
+        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
+#undef RADIXLM_TILE
+      }
+      m0 += rows;
+    }
+  }
+}
+#endif  // RADIXLM_BF16_GEMM
+
+}  // namespace
+
+extern "C" {
+
+int radixlm_bf16_gemm_available() {
+#ifdef RADIXLM_BF16_GEMM
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [M, K] bf16 (rows x_stride apart, K even), packed [ceil(N / 64)][K / 2][64][2] bf16, bias
+// float32 [N] or null, out [M, N] (rows out_stride apart) in out_dtype (0 = float32,
+// 1 = bfloat16). Returns -1 when built without AVX512-BF16, -2 for an odd K.
+int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
+                        const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads) {
+#ifdef RADIXLM_BF16_GEMM
+  if (K % 2 != 0) return -2;
+  if (out_dtype == 0)
+    bf16_linear<float>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const float*)bias,
+                       (float*)out, out_stride, nthreads);
+  else
+    bf16_linear<uint16_t>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const float*)bias,
+                          (uint16_t*)out, out_stride, nthreads);
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out_dtype; (void)out;
+  (void)out_stride; (void)nthreads;
+  return -1;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,78 @@
+"""The AVX512-BF16 GEMM (kernels/cpu/bf16_gemm.cpp via layers/bf16_gemm.py): bfloat16 weights
+and inputs, float32/bfloat16 outputs, against torch's linear in float64; and the property
+speculative verification needs (a row's bits do not depend on the rows beside it). Skipped
+where the build has no AVX512-BF16 (the AVX2 build on every machine; AVX2-only CPUs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu import ops
+from radixlm.srt.layers import bf16_gemm
+from radixlm.srt.layers.linear import Linear
+
+
+@pytest.fixture(autouse=True)
+def _needs_bf16_gemm(kernel_isa: str) -> None:
+    if not ops.bf16_gemm_available():
+        pytest.skip(f"the {kernel_isa} build has no AVX512-BF16 GEMM")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 64, 64), (7, 70, 100), (33, 1536, 576), (300, 64, 130),
+                                   (2, 2, 17), (200, 40, 16), (97, 128, 192)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_matches_torch(out_dtype, m, k, n, with_bias):
+    """Micro-tiles of 1-6 rows, row blocks of 96, partial last panels (n not a multiple of 64)."""
+    g = torch.Generator().manual_seed(m * 7 + k * 3 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    got = bf16_gemm.linear(x, bf16_gemm.pack_weight(w), bias, out_dtype)
+    ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert got is not None and got.shape == (m, n) and got.dtype == out_dtype
+    rtol = 1e-5 if out_dtype == torch.float32 else 8e-3  # bf16: within one rounding of the float32 sum
+    torch.testing.assert_close(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=rtol)
+
+
+def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(136, 96, generator=g).bfloat16()
+    packed = bf16_gemm.pack_weight(w)
+    x = torch.randn(13, 96, generator=g).bfloat16()
+    full = bf16_gemm.linear(x, packed, None)
+    for start in range(13):
+        for rows in range(1, 14 - start):
+            assert torch.equal(bf16_gemm.linear(x[start:start + rows].clone(), packed, None),
+                               full[start:start + rows])
+
+
+def test_refused_inputs_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 24, generator=g).bfloat16()
+    packed = bf16_gemm.pack_weight(w)
+    assert packed.panels.shape == (1, 12, 64, 2)
+    assert torch.equal(packed.panels[0, 5, 7], w[7, 10:12]) and (packed.panels[0, :, 40:] == 0).all()
+    wide = torch.randn(9, 50, generator=g).bfloat16()
+    x = wide[:, 10:34]  # rows 50 apart
+    torch.testing.assert_close(bf16_gemm.linear(x, packed, None).float(), F.linear(x.float(), w.float()),
+                               atol=0.05, rtol=8e-3)
+    assert bf16_gemm.linear(torch.empty(0, 24, dtype=torch.bfloat16), packed, None).shape == (0, 40)
+    assert bf16_gemm.linear(x.float(), packed, None) is None  # float32 input: the caller's torch path
+    assert not bf16_gemm.wanted(torch.bfloat16, "cpu", 25)  # odd in_features: oneDNN
+
+
+def test_linear_module_takes_it_and_reverts_to_onednn_when_turned_off(monkeypatch: pytest.MonkeyPatch):
+    lin = Linear(64, 80, bias=True, dtype=torch.bfloat16)
+    lin.weight.data.normal_()
+    lin.bias.data.normal_()
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        ours = lin(x)
+        assert isinstance(lin._packed, bf16_gemm.PackedBf16Weight)
+        monkeypatch.setenv("RADIXLM_BF16_GEMM", "0")
+        lin.invalidate_packed()
+        theirs = lin(x)
+        assert not isinstance(lin._packed, bf16_gemm.PackedBf16Weight)
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=0.1, rtol=1e-2)
