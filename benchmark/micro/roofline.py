@@ -141,6 +141,14 @@ def gemm_rates(repeats: int) -> dict:
             for dt in (torch.float32, torch.bfloat16):
                 pw = float_gemm.pack_weight(w32.to(dt))
                 impls[f"radixlm_{str(dt).split('.')[-1]}"] = (lambda x, pw=pw: float_gemm.linear(x, pw, None), dt)
+        from radixlm.srt.layers import bf16_gemm
+        from radixlm.srt.layers.linear import mkldnn_pack_supported, pack_weight, packed_linear
+        if bf16_gemm.available():  # AVX512-BF16: what a bf16 Linear multiplies through
+            pb = bf16_gemm.pack_weight(w32.bfloat16())
+            impls["radixlm_bf16_dp"] = (lambda x, pb=pb: bf16_gemm.linear(x, pb, None), torch.bfloat16)
+        if mkldnn_pack_supported(torch.bfloat16, "cpu"):  # the oneDNN-prepacked matmul it replaced
+            pm = pack_weight(w32.bfloat16())
+            impls["onednn_bf16_prepacked"] = (lambda x, pm=pm: packed_linear(x, pm, None), torch.bfloat16)
     except ImportError:
         pass
     for m in (1, 32):

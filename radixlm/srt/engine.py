@@ -26,6 +26,30 @@ SHUTDOWN_GRACE_S = 5.0
 CANCEL_CLEANUP_WAIT_S = 5.0
 
 
+
+class _CallGate:
+    """Whether a call submitted to the engine's loop started, decided once under a lock
+    against the caller giving up on it: checking "started" and then cancelling raced with the
+    loop starting it (the caller went on to close a generator whose step was still running)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self._given_up = False
+        self.ended = threading.Event()
+
+    def enter(self) -> bool:
+        """On the loop, before the call runs: False when the caller already gave up."""
+        with self._lock:
+            self._started = not self._given_up
+            return self._started
+
+    def give_up(self) -> bool:
+        """From the caller: True when the call had started (its end must be awaited)."""
+        with self._lock:
+            self._given_up = True
+            return self._started
+
 class EngineShutDown(RuntimeError):
     """The engine is shut down (or was, while the call waited)."""
 
@@ -103,22 +127,24 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ plumbing
-    def _submit(self, coro) -> tuple[concurrent.futures.Future, threading.Event, threading.Event]:
-        """Run `coro` on the engine's loop. The events say it started and it ran to its end
-        (its clean-up included), so a cancelled caller can wait for the abort it causes."""
-        started, ended = threading.Event(), threading.Event()
+    def _submit(self, coro) -> tuple[concurrent.futures.Future, _CallGate]:
+        """Run `coro` on the engine's loop. The gate says whether it started and when it ran to
+        its end (its clean-up included), so a cancelled caller can wait for the abort it causes."""
+        gate = _CallGate()
 
         async def guarded():
-            started.set()
+            if not gate.enter():
+                coro.close()  # the caller gave up before it started: nothing ran, nothing to undo
+                raise asyncio.CancelledError
             try:
                 return await coro
             finally:
-                ended.set()
+                gate.ended.set()
         fut = asyncio.run_coroutine_threadsafe(guarded(), self._loop)
         with self._calls_lock:
             self._calls.add(fut)
         fut.add_done_callback(self._forget)
-        return fut, started, ended
+        return fut, gate
 
     def _forget(self, fut) -> None:
         with self._calls_lock:
@@ -131,14 +157,16 @@ class Engine:
         if self._closed:
             coro.close()
             raise EngineShutDown("the engine is shut down")
-        fut, started, ended = self._submit(coro)
+        fut, gate = self._submit(coro)
         try:
             return fut.result(timeout)
         except concurrent.futures.CancelledError:
             raise EngineShutDown("the engine was shut down while this call was waiting") from None
         except BaseException:
-            if fut.cancel() and started.is_set():  # (one cancelled before it started has nothing to undo)
-                ended.wait(CANCEL_CLEANUP_WAIT_S)
+            # Cancelled while it runs: wait for its clean-up (a generator's step must be over
+            # before the caller may close that generator); one that had not started never will.
+            if fut.cancel() and gate.give_up():
+                gate.ended.wait(CANCEL_CLEANUP_WAIT_S)
             raise
 
     def _call_soon(self, fn, *args, **kwargs):
@@ -149,7 +177,7 @@ class Engine:
         if self._closed:
             coro.close()
             raise EngineShutDown("the engine is shut down")
-        fut, _, _ = self._submit(coro)
+        fut, _ = self._submit(coro)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:

@@ -310,6 +310,27 @@ def test_interrupting_a_blocking_call_aborts_its_request(engine, stream):
     assert_idle_and_empty(engine)
 
 
+def test_a_call_given_up_before_the_loop_starts_it_never_runs(engine):
+    """The interrupted stream's race: the caller gave up while the loop had not yet started its
+    call (so it did not wait for it), then closed the generator whose step the loop was about to
+    start ("aclose(): asynchronous generator is already running"). A call the caller gave up
+    on before it started must never start."""
+    ran = []
+
+    async def step():
+        ran.append(True)
+
+    release = threading.Event()
+    engine._loop.call_soon_threadsafe(release.wait, 5.0)  # the loop is busy: the call is queued
+    try:
+        with pytest.raises(TimeoutError):
+            engine._call(step(), timeout=0.05)
+    finally:
+        release.set()
+    assert engine._call(asyncio.sleep(0, "after")) == "after"  # the queued call was dropped first
+    assert ran == []
+
+
 # ---------------------------------------------------------------------------- 4. shutdown
 def test_shutdown_answers_every_blocked_caller(tiny_llama_dir):
     eng = Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=16384)
