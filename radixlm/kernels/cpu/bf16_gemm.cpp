@@ -15,12 +15,14 @@
 // the same instruction sequence per row), so an extend of K tokens reproduces K decode steps
 // bit for bit (speculative verification relies on it).
 //
-// Tasks: (row block, panel), row-block-major, as float_gemm.cpp.
+// Tasks: gemm_tasks.h.
 
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <algorithm>
+
+#include "gemm_tasks.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -76,37 +78,20 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
 template <typename TO>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const float* bias,
                  TO* out, int64_t os, int nthreads) {
-  if (M <= 0) return;
   const int K2 = K / 2;
-  const int panels = (N + kNR - 1) / kNR;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tasks = blocks * panels;
-  const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
-#pragma omp parallel for num_threads(nthreads) if (parallel) schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t blk = t / panels;
-    const int p = (int)(t % panels);
-    const int64_t r0 = blk * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p) {
     const uint16_t* panel = packed + (int64_t)p * K * kNR;
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const float* b = bias ? bias + c0 : nullptr;
-    // Rows spread evenly over micro-tiles (32 rows: 6,6,5,5,5,5).
-    const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
-    const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
-    int64_t m0 = r0;
-    for (int64_t s = 0; s < steps; ++s) {
-      const int64_t rows = base + (s < extra ? 1 : 0);
-      const uint16_t* xr = x + m0 * xs;
-      TO* o = out + m0 * os + c0;
-      switch (rows) {
+    const uint16_t* xr = x + m0 * xs;
+    TO* o = out + m0 * os + c0;
+    switch (rows) {
 #define RADIXLM_TILE(R) \
   case R: micro_tile<R, TO>(xr, xs, K2, panel, b, o, os, ncols); break;
-        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
+      RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
-      }
-      m0 += rows;
     }
-  }
+  });
 }
 #endif  // RADIXLM_BF16_GEMM
 

@@ -10,8 +10,7 @@
 // registers. bfloat16 weights are widened in registers (a 16-bit shift): half the bytes
 // streamed from DRAM, for 4 more instructions per 12 FMAs.
 //
-// Tasks: (row block, panel), row-block-major so each thread keeps one block of activation
-// rows in L2 while it streams its share of the panels; a decode batch is one row block.
+// Tasks: gemm_tasks.h.
 
 #include <omp.h>
 #include <stdint.h>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "gemm_tasks.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -108,35 +108,19 @@ void float_linear(const TI* x, int64_t x_stride, int64_t M, int K, const TW* pac
     xp = xf.data();
     xs = K;
   }
-  const int panels = (N + kNR - 1) / kNR;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t tasks = blocks * panels;
-  const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
-#pragma omp parallel for num_threads(nthreads) if (parallel) schedule(static)
-  for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t blk = t / panels;
-    const int p = (int)(t % panels);
-    const int64_t r0 = blk * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
+  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p) {
     const TW* panel = packed + (int64_t)p * K * kNR;
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const TO* b = bias ? bias + c0 : nullptr;
-    // Rows spread evenly over micro-tiles (32 rows: 6,6,5,5,5,5), as the int8 GEMM.
-    const int64_t steps = (r1 - r0 + kMR - 1) / kMR;
-    const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
-    int64_t m0 = r0;
-    for (int64_t s = 0; s < steps; ++s) {
-      const int64_t rows = base + (s < extra ? 1 : 0);
-      const float* xr = xp + m0 * xs;
-      TO* o = out + m0 * out_stride + c0;
-      switch (rows) {
+    const float* xr = xp + m0 * xs;
+    TO* o = out + m0 * out_stride + c0;
+    switch (rows) {
 #define RADIXLM_TILE(R) \
   case R: micro_tile<R, TW, TO>(xr, xs, K, panel, b, o, out_stride, ncols); break;
-        RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
+      RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
-      }
-      m0 += rows;
     }
-  }
+  });
 }
 #endif  // RADIXLM_FLOAT_GEMM
 

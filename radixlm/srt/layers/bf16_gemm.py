@@ -20,6 +20,7 @@ import torch
 import radixlm.envs as envs
 from radixlm.kernels.cpu import ops
 from radixlm.kernels.cpu.hugepages import empty_hugepage
+from radixlm.srt.layers.float_gemm import padded_rows
 
 PANEL = 64  # output columns per panel (bf16_gemm.cpp kNR)
 
@@ -45,12 +46,9 @@ def pack_weight(weight: torch.Tensor) -> PackedBf16Weight:
     """panels[p, k2, c, i] = weight[64 p + c, 2 k2 + i], zero-padded to whole panels."""
     with torch.inference_mode(False), torch.no_grad():
         n, k = weight.shape
-        n_pad = -(-n // PANEL) * PANEL
-        w = weight.detach()
-        if n_pad != n:
-            w = torch.cat([w, w.new_zeros(n_pad - n, k)])
-        panels = empty_hugepage((n_pad // PANEL, k // 2, PANEL, 2), torch.bfloat16)  # streamed every step
-        panels.copy_(w.view(n_pad // PANEL, PANEL, k // 2, 2).transpose(1, 2))
+        w = padded_rows(weight, PANEL)
+        panels = empty_hugepage((w.shape[0] // PANEL, k // 2, PANEL, 2), torch.bfloat16)  # streamed every step
+        panels.copy_(w.view(-1, PANEL, k // 2, 2).transpose(1, 2))
         return PackedBf16Weight(n, k, panels)
 
 

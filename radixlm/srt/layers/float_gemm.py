@@ -62,13 +62,18 @@ def pack_weight(weight: torch.Tensor) -> PackedFloatWeight:
     """panels[p, k, c] = weight[16 p + c, k], zero-padded to whole panels."""
     with torch.inference_mode(False), torch.no_grad():
         n, k = weight.shape
-        n_pad = -(-n // PANEL) * PANEL
-        w = weight.detach()
-        if n_pad != n:
-            w = torch.cat([w, w.new_zeros(n_pad - n, k)])
-        panels = empty_hugepage((n_pad // PANEL, k, PANEL), weight.dtype)  # streamed every step
-        panels.copy_(w.view(n_pad // PANEL, PANEL, k).transpose(1, 2))
+        w = padded_rows(weight, PANEL)
+        panels = empty_hugepage((w.shape[0] // PANEL, k, PANEL), weight.dtype)  # streamed every step
+        panels.copy_(w.view(-1, PANEL, k).transpose(1, 2))
         return PackedFloatWeight(n, k, panels)
+
+
+def padded_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """The weight (detached) with zero output rows appended up to a multiple of `multiple`."""
+    n, k = weight.shape
+    w = weight.detach()
+    pad = -n % multiple
+    return torch.cat([w, w.new_zeros(pad, k)]) if pad else w
 
 
 def linear(x: torch.Tensor, weight: PackedFloatWeight, bias: torch.Tensor | None,
