@@ -17,7 +17,6 @@
 //
 // Tasks: gemm_tasks.h.
 
-#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <algorithm>
@@ -46,7 +45,7 @@ inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
 // partial sums kept between them, measured 5-15% slower at batch 1 and 32 with the weights
 // streaming from DRAM, as in a decode step.)
 template <int MR, typename TO>
-void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const float* bias, TO* out,
+void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const uint16_t* bias, TO* out,
                 int64_t os, int ncols) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
@@ -70,19 +69,21 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
     const int left = ncols - 16 * j;
     if (left <= 0) break;
     const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
+                          : _mm512_setzero_ps();  // bf16 bias widened (a 16-bit shift)
     for (int m = 0; m < MR; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b), mask);
   }
 }
 
 template <typename TO>
-void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const float* bias,
+void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
                  TO* out, int64_t os, int nthreads) {
   const int K2 = K / 2;
   radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p) {
     const uint16_t* panel = packed + (int64_t)p * K * kNR;
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
-    const float* b = bias ? bias + c0 : nullptr;
+    const uint16_t* b = bias ? bias + c0 : nullptr;
     const uint16_t* xr = x + m0 * xs;
     TO* o = out + m0 * os + c0;
     switch (rows) {
@@ -108,17 +109,17 @@ int radixlm_bf16_gemm_available() {
 }
 
 // x [M, K] bf16 (rows x_stride apart, K even), packed [ceil(N / 64)][K / 2][64][2] bf16, bias
-// float32 [N] or null, out [M, N] (rows out_stride apart) in out_dtype (0 = float32,
+// bf16 [N] or null, out [M, N] (rows out_stride apart) in out_dtype (0 = float32,
 // 1 = bfloat16). Returns -1 when built without AVX512-BF16, -2 for an odd K.
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads) {
 #ifdef RADIXLM_BF16_GEMM
   if (K % 2 != 0) return -2;
   if (out_dtype == 0)
-    bf16_linear<float>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const float*)bias,
+    bf16_linear<float>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const uint16_t*)bias,
                        (float*)out, out_stride, nthreads);
   else
-    bf16_linear<uint16_t>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const float*)bias,
+    bf16_linear<uint16_t>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const uint16_t*)bias,
                           (uint16_t*)out, out_stride, nthreads);
   return 0;
 #else

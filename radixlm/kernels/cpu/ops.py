@@ -289,13 +289,13 @@ def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
                 out_dtype: torch.dtype) -> torch.Tensor | None:
     """x [M, K] bfloat16 (rows contiguous, K even) times a weight packed by bf16_gemm.pack_weight
     (panels [ceil(n / 64), K / 2, 64, 2] bfloat16, n output columns) -> [M, n] in out_dtype
-    (float32/bfloat16); bias, if given, float32 [n]. None when unsupported."""
+    (float32/bfloat16); bias, if given, bfloat16 [n] (the weight's dtype). None when unsupported."""
     lib = load()
     if lib is None or x.dtype != torch.bfloat16 or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
         return None
     if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
         return None
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     m, k = x.shape
     out = torch.empty((m, n), dtype=out_dtype)

@@ -54,13 +54,12 @@ def pack_weight(weight: torch.Tensor) -> PackedBf16Weight:
 
 def linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-    """x [..., in] bfloat16 -> [..., out] in out_dtype (default x.dtype); None when the kernel
-    does not take these inputs (the caller falls back to torch)."""
+    """x [..., in] bfloat16 (bias, if given, bfloat16) -> [..., out] in out_dtype (default
+    x.dtype); None when the kernel does not take these inputs (the caller falls back to torch)."""
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = ops.bf16_linear(x2, weight.panels, weight.out_features,
-                          None if bias is None else bias.float().contiguous(), out_dtype)
+    out = ops.bf16_linear(x2, weight.panels, weight.out_features, bias, out_dtype)
     return None if out is None else out.reshape(*lead, weight.out_features)

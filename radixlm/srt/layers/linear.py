@@ -74,7 +74,7 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
         if out is not None:
             return out
     elif isinstance(packed, bf16_gemm.PackedBf16Weight):
-        out = bf16_gemm.linear(x, packed, bias) if x.dtype == torch.bfloat16 else None
+        out = bf16_gemm.linear(x, packed, bias)
         if out is not None:
             return out
     elif packed is not None and x.dtype == weight.dtype:

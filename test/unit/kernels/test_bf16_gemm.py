@@ -60,6 +60,7 @@ def test_refused_inputs_and_strided_rows():
                                atol=0.05, rtol=8e-3)
     assert bf16_gemm.linear(torch.empty(0, 24, dtype=torch.bfloat16), packed, None).shape == (0, 40)
     assert bf16_gemm.linear(x.float(), packed, None) is None  # float32 input: the caller's torch path
+    assert bf16_gemm.linear(x, packed, torch.zeros(40)) is None  # bias not in the weight's dtype: torch too
     assert not bf16_gemm.wanted(torch.bfloat16, "cpu", 25)  # odd in_features: oneDNN
 
 
