@@ -215,11 +215,18 @@ def _prefix_workload(url: str, groups: int = 4, turns: int = 3) -> list[list[int
     return out
 
 
-def test_cache_aware_routing_keeps_a_prefix_on_one_worker(gateway, gw, workers, tmp_path_factory):
-    assert gw.post("/flush_cache").status_code == 200  # fans out to every worker
-    before = _requests(workers)
-    cached = _prefix_workload(gateway.url)
-    served = [b - a for a, b in zip(before, _requests(workers))]
+def test_cache_aware_routing_keeps_a_prefix_on_one_worker(gw, workers, tmp_path_factory):
+    # A gateway of its own: the module's gateway keeps its approximate tree of every earlier
+    # test's requests (flush_cache does not reach it), so a worker left with the larger tree
+    # would get no new prefix ("smallest tree" routing) and the spread would depend on test order.
+    ca = _start_gateway(workers, tmp_path_factory, "smg_ca")
+    try:
+        assert httpx.post(ca.url + "/flush_cache").status_code == 200  # fans out to every worker
+        before = _requests(workers)
+        cached = _prefix_workload(ca.url)
+        served = [b - a for a, b in zip(before, _requests(workers))]
+    finally:
+        _stop_gateway(ca)
     # every later turn found its group's prefix cached on the worker that served the first turn
     for first, *later in cached:
         assert first < 10 and all(c >= 150 for c in later), cached  # (groups share a few tokens)
