@@ -17,7 +17,7 @@ from typing import Any
 from radixlm.core import FinishReason, Req
 from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, TokenizedGenerateReq
 from radixlm.rank_sync import LOCAL_RANK, RankSync
-from radixlm.scheduler import control
+from radixlm.scheduler import abort_watch, control
 from radixlm.scheduler.abort import abort_matcher
 from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
 from radixlm.scheduler.batch_builder import decode_batch, prefill_batch
@@ -63,6 +63,8 @@ class Scheduler:
         self.worker = ForwardWorker(runner, cache.before_forward, threaded=config.overlap)
         self.timer = self.worker.timer
         self.in_flight: InFlight | None = None  # overlap: the batch launched, result not processed
+        # overlap on one rank: the process's inbox, read while a forward runs (abort_watch.py)
+        self.inbox: abort_watch.Inbox | None = None
         self._pending_out: list[ReqOutput] = []
         self.paused = False
         self._chunk_since_decode = False  # the last batch left a prompt mid-way (see _decode_turn)
@@ -222,9 +224,31 @@ class Scheduler:
         if batch is None and done is None:
             return self._idle()
         if done is not None:
+            if launched is not None and self.in_flight is launched:
+                self._watch_aborts(done, launched)
             self.postprocess(done.batch, self.boundary.resolve(done))
         self._end_step()
         return True
+
+    def _watch_aborts(self, running: InFlight, queued: InFlight) -> None:
+        """Overlap: while `running` computes, an abort naming a request of `queued` takes
+        `queued` back if it has not started, so the abort (applied by the loop after this
+        step) finds nothing in flight and the KV is back when `running` ends."""
+        if self.inbox is None or not abort_watch.can_take_back(queued):  # (no inbox on TP ranks)
+            return
+        if abort_watch.watch(self.inbox, running, queued):
+            self.in_flight = None
+            self._take_back(queued.batch)
+
+    def _take_back(self, batch: WorkerBatch) -> None:
+        """Undo `_launch` and `decode_batch` for a decode batch that never ran: its requests
+        are as they were before it was built (one uncommitted decode slot fewer each)."""
+        for req in batch.reqs:
+            req.inflight -= 1
+            req.pending_tokens -= 1
+            self.cache.rollback(req, 1)
+        self.stats.num_decode_tokens -= len(batch.reqs)
+        self.stats.num_batches_taken_back += 1
 
     def run_until_idle(self) -> None:
         while self.step():

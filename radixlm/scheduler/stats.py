@@ -35,6 +35,8 @@ class SchedulerStats:
     # batches run again row by row after a forward failed
     num_request_errors: int = 0
     num_batch_replays: int = 0
+    # overlap: queued decode batches taken back before they ran, for an abort (abort_watch.py)
+    num_batches_taken_back: int = 0
 
     def count_abort(self, where: str) -> None:
         name = f"aborts_{where}"

@@ -18,6 +18,7 @@ from radixlm.ipc import PortArgs, Receiver, Sender
 from radixlm.messages import RpcReply, RpcReq, ShutdownReq
 from radixlm.srt.distributed.comm import ControlChannel
 from radixlm.srt.distributed.process_group import TPGroup
+from radixlm.srt.scheduler_inbox import SchedulerInbox
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
     talks to the other processes; the other ranks only to rank 0, through torch.distributed."""
     import zmq
     ctx = zmq.Context()
-    receiver = to_detok = None
+    inbox = to_detok = None
     try:
         tp = None
         if args.tp_size > 1:
@@ -99,9 +100,11 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
             tp = init_tp_group(tp_rank, args.tp_size, ports.tp_init_method, resolve_device(args.device),
                                args.dist_timeout)
         if tp_rank == 0:
-            receiver = Receiver(ctx, ports.scheduler_input)
+            inbox = SchedulerInbox(Receiver(ctx, ports.scheduler_input))
             to_detok = Sender(ctx, ports.detokenizer_input)
         scheduler, runner = build_scheduler(args, to_detok.send if to_detok else (lambda out: None), tp)
+        if tp is None or tp.size == 1:  # ranks could not agree on when a message arrived
+            scheduler.inbox = inbox
         # the model and everything start-up built leave the collector's reach (gc_watch.py)
         from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
         freeze_startup_heap()
@@ -116,24 +119,26 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
         ready.error(e)
         return
     try:
-        event_loop(scheduler, receiver, to_detok, tp.control if tp is not None else ControlChannel())
+        event_loop(scheduler, inbox, to_detok, tp.control if tp is not None else ControlChannel())
     except Exception:
         logger.error("scheduler%s crashed:\n%s", f" (TP rank {tp_rank})" if tp is not None else "",
                      traceback.format_exc())
         raise
     finally:
+        if inbox is not None:
+            inbox.close()
         ctx.destroy(linger=0)
 
 
-def event_loop(scheduler, receiver: Receiver | None, to_detok: Sender | None,
+def event_loop(scheduler, receiver: SchedulerInbox | None, to_detok: Sender | None,
                control: ControlChannel | None = None) -> None:
-    """receiver/to_detok: rank 0's sockets (None on the other ranks). With more than one rank,
+    """receiver/to_detok: rank 0's inbox and output socket (None on the other ranks). With more than one rank,
     each iteration starts with rank 0's broadcast of the messages it received and its clock;
     an idle rank 0 waits for its inbox at most IDLE_POLL_MS, so the others hear from it at
     least that often."""
     control = control or ControlChannel()
     while True:
-        msgs = receiver.recv_all() if receiver is not None else []
+        msgs = receiver.take_all() if receiver is not None else []
         if control.size > 1:
             msgs, scheduler.ranks.time = control.broadcast((msgs, time.perf_counter()))
         for msg in msgs:
@@ -144,8 +149,10 @@ def event_loop(scheduler, receiver: Receiver | None, to_detok: Sender | None,
             _wait(receiver, scheduler)
 
 
-def _wait(receiver: Receiver, scheduler) -> None:
+def _wait(receiver: SchedulerInbox, scheduler) -> None:
     """Idle: block until a message (or, with disaggregation, a peer's message) or IDLE_POLL_MS."""
+    if receiver.has_queued():
+        return
     extra = scheduler.transfer.wait_sockets() if scheduler.transfer is not None else []
     if not extra:
         receiver.wait(IDLE_POLL_MS)

@@ -280,6 +280,31 @@ def test_the_caller_is_answered_while_the_scheduler_is_frozen(engine):
     assert_idle_and_empty(engine)
 
 
+def test_an_abort_during_a_forward_takes_back_the_batch_queued_behind_it(engine):
+    """Overlap: the scheduler reads its inbox while a forward runs (abort_watch.py), so an abort
+    usually lands before the batch queued behind that forward starts; that batch is taken back
+    and the KV is back when the running forward ends. Whether one abort lands mid-forward is
+    timing, so up to 40 are made; every one must end its request and leave no KV behind."""
+    base = engine.get_server_info()["num_batches_taken_back"]
+    others = [Background(gen(engine, f"tb-keep{i}", 80 + i)) for i in range(3)]
+    taken = 0
+    for i in range(40):
+        call = Background(gen(engine, f"tb-{i}", 90 + i))
+        wait_until(engine, lambda info: info["num_running_reqs"] == 4, "all running")
+        time.sleep(0.002 * (i % 5))  # different points of a step
+        assert engine.abort_request(f"tb-{i}") == 1
+        assert call.result()["meta_info"]["finish_reason"]["type"] == "abort"
+        taken = engine.get_server_info()["num_batches_taken_back"] - base
+        if taken:
+            break
+    assert taken >= 1, "no abort took back the batch queued behind a forward"
+    assert not any(c.done(0) for c in others)  # the others decode on, every token once
+    assert engine.abort_request("tb-keep", prefix=True) == 3
+    for c in others:
+        assert c.result()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_idle_and_empty(engine)
+
+
 # ---------------------------------------------------------------------------- 5. interrupted callers
 @pytest.mark.parametrize("stream", [False, True])
 def test_interrupting_a_blocking_call_aborts_its_request(engine, stream):
