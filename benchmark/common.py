@@ -261,17 +261,21 @@ def run_peer(peer: str, venv: str, spec: dict, timeout: float = 3600.0) -> dict:
 
 
 
-def run_engine_peer(peer: str, spec: dict, model_path: str, args, **llamacpp_extra) -> dict:
-    """Run the vllm or llamacpp runner on `spec`: vLLM gets the HF checkpoint converted from
-    the GGUF (bf16, prefix caching on), llama.cpp the GGUF itself with every core."""
+def peer_spec(peer: str, spec: dict, model_path: str, **llamacpp_extra) -> dict:
+    """`spec` completed for the vllm or llamacpp runner: vLLM gets the HF checkpoint converted
+    from the GGUF (bf16, prefix caching on), llama.cpp the GGUF itself with every core."""
     if peer == "vllm":
-        try:
-            spec = {**spec, "model": peer_hf_dir(model_path), "dtype": "bfloat16", "prefix_caching": True}
-        except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
-            return peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
-        return run_peer(peer, args.vllm_venv, spec, args.peer_timeout)
-    spec = {**spec, "model": model_path, "threads": os.cpu_count() or 1, **llamacpp_extra}
-    return run_peer(peer, args.llamacpp_venv, spec, args.peer_timeout)
+        return {**spec, "model": peer_hf_dir(model_path), "dtype": "bfloat16", "prefix_caching": True}
+    return {**spec, "model": model_path, "threads": os.cpu_count() or 1, **llamacpp_extra}
+
+
+def run_engine_peer(peer: str, spec: dict, model_path: str, args, **llamacpp_extra) -> dict:
+    """Run the vllm or llamacpp runner on `spec` (peer_spec)."""
+    try:
+        spec = peer_spec(peer, spec, model_path, **llamacpp_extra)
+    except Exception as e:  # noqa: BLE001 - one peer's failure never stops the others
+        return peer_unavailable(peer, f"could not prepare the HF checkpoint: {e}")
+    return run_peer(peer, args.vllm_venv if peer == "vllm" else args.llamacpp_venv, spec, args.peer_timeout)
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """How far two engines' greedy outputs agree (bf16 vs float32 vs Q4 numerics split on

@@ -13,6 +13,10 @@ as speedup_vs_<peer>:
   llamacpp  llama.cpp (llama-cpp-python) in its own venv on the Q4_1 GGUF, --max-num-seqs
             sequences per decode step, benchmark/peers/
 A peer whose venv is missing is reported with the commands that create it; the others run.
+
+--interleave R (vllm only) keeps radixlm and vLLM loaded side by side and runs the workload R
+times each, taking turns (peer_rounds.py): speedup_vs_vllm is then the median of the R paired
+ratios, so the machine's drift during the invocation does not decide the ratio.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_peer_args, add_quality_arg, agreement, emit, hf_generate, load_hf,  # noqa: E402
-                    mode_quality, parse_peers, run_engine_peer)
+                    mode_quality, parse_peers, peer_spec, peer_unavailable, run_engine_peer)
+from peer_rounds import PeerRounds, interleave  # noqa: E402
 from peers.peer_io import cached_tokens_total, throughput_fields  # noqa: E402
 
 TOPICS = ["the history of Rome", "how vaccines work", "black holes", "the French revolution",
@@ -75,6 +80,58 @@ def run_radixlm(prompts: list[list[int]], output_len: int, engine_kwargs: dict, 
             "outputs": [o["output_ids"] for o in outs]}
 
 
+def run_interleaved(prompts: list[list[int]], output_len: int, engine_kwargs: dict, args, model_path: str,
+                    result: dict) -> None:
+    """radixlm and vLLM loaded together, args.interleave rounds each (peer_rounds.interleave)."""
+    from radixlm import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine(**engine_kwargs)
+    load_s = time.perf_counter() - t0
+    params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up
+
+    def ours() -> dict:
+        engine.flush_cache()
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t0
+        return {**throughput_fields(prompts, sum(len(o["output_ids"]) for o in outs), wall),
+                "outputs": [o["output_ids"] for o in outs]}
+
+    peers: dict[str, PeerRounds] = {}
+    try:
+        try:
+            spec = peer_spec("vllm", {"prompts": prompts, "output_len": output_len,
+                                      "max_num_seqs": args.max_num_seqs}, model_path)
+            peers["vllm"] = PeerRounds("vllm", args.vllm_venv, spec, args.peer_timeout)
+        except Exception as e:  # noqa: BLE001 - reported; radixlm's rounds still run
+            result["vllm"] = peer_unavailable("vllm", f"could not start: {e}")
+        rounds = interleave(ours, peers, args.interleave, args.round_pause)
+        info = engine.get_server_info()
+    finally:
+        for p in peers.values():
+            p.close()
+        engine.shutdown()
+    ours_r = rounds.pop("radixlm")
+    our_outputs = ours_r["first_run"].pop("outputs")
+    result["radixlm"] = {"engine": "radixlm", "load_s": round(load_s, 2),
+                         "output_tok_per_s": ours_r["median_output_tok_per_s"], **ours_r,
+                         "dtype": info["dtype"], "quantization": info.get("quantization"),
+                         "kv_cache_dtype": info.get("kv_cache_dtype"), "attention_backend": info["attention_backend"]}
+    for name, p in peers.items():
+        if p.error is not None:
+            result[name] = p.error
+            continue
+        theirs = rounds.pop(name)
+        outputs = theirs["first_run"].pop("outputs")
+        result[name] = {**p.info, "output_tok_per_s": theirs["median_output_tok_per_s"], **theirs,
+                        "agreement_with_radixlm": agreement(our_outputs, outputs)}
+        result[f"speedup_vs_{name}"] = rounds.pop(f"speedup_vs_{name}")
+        result[f"paired_speedup_vs_{name}"] = rounds.pop(f"paired_speedup_vs_{name}")
+    result["interleaved"] = rounds
+
+
 def run_hf(prompts: list[list[int]], output_len: int, model_path: str, batch_size: int) -> dict:
     model, load_s = load_hf(model_path)
     t0 = time.perf_counter()
@@ -118,8 +175,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32, help="sequences per decode step of the vllm/llamacpp peers")
+    ap.add_argument("--interleave", type=int, default=0, metavar="R",
+                    help="R rounds of radixlm and vLLM taking turns, both loaded (implies --peer vllm)")
+    ap.add_argument("--round-pause", type=float, default=2.0, help="seconds of rest before each interleaved run")
     args = ap.parse_args()
     peers = parse_peers(ap, args.peer + (["hf"] if args.compare_hf else []))
+    if args.interleave and any(p != "vllm" for p in peers):
+        ap.error("--interleave runs radixlm against vllm only")
 
     from radixlm.srt.weights.loader import load_tokenizer, resolve_model_path
 
@@ -132,6 +194,12 @@ def main() -> None:
                      "kv_cache_dtype": args.kv_cache_dtype}
     if args.page_size is not None:
         engine_kwargs["page_size"] = args.page_size
+    if args.interleave:
+        run_interleaved(prompts, args.output_len, engine_kwargs, args, model_path, result)
+        if args.logits_check:
+            result["radixlm"]["quality"] = mode_quality(result["radixlm"])
+        emit(result, args.out)
+        return
     ours = run_radixlm(prompts, args.output_len, engine_kwargs, args.repeats)
     our_outputs = ours.pop("outputs")
     result["radixlm"] = ours

@@ -7,6 +7,7 @@ on sys.path), the radixlm-side scripts as `peers.peer_io`.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,8 +22,8 @@ def read_spec() -> tuple[dict, str | None]:
 
 
 def spec_prompts(spec: dict) -> list[list[int]]:
-    """The prompts to run: all of them for "generate", the one prompt for "latency"."""
-    return spec["prompts"] if spec["mode"] == "generate" else [spec["prompt"]]
+    """The prompts to run: all of them for "generate" and "rounds", the one prompt for "latency"."""
+    return spec["prompts"] if spec["mode"] in ("generate", "rounds") else [spec["prompt"]]
 
 
 def throughput_fields(prompts: list[list[int]], output_tokens: int, wall: float) -> dict:
@@ -57,6 +58,25 @@ def latency_fields(ttft: list[float], full: list[float], output_len: int) -> dic
     t, f = statistics.median(ttft), statistics.median(full)
     return {"ttft_s": round(t, 4), "full_s": round(f, 3), "decode_ms_per_token": round(1000 * (f - t) / (output_len - 1), 2),
             "ttft_runs_s": [round(x, 4) for x in ttft], "full_runs_s": [round(x, 3) for x in full]}
+
+
+def serve_rounds(out_path: str, info: dict, run_once: Callable[[], dict]) -> None:
+    """Rounds mode (benchmark/peer_rounds.py): the engine stays loaded; `info` goes to
+    OUT.ready, then each stdin line `run K` runs the workload once into OUT.roundK, until
+    `quit` or the end of stdin. Files appear whole (written, then renamed)."""
+    _write_atomic(out_path + ".ready", info)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] == "quit":
+            break
+        if cmd[0] == "run":
+            _write_atomic(f"{out_path}.round{cmd[1]}", run_once())
+
+
+def _write_atomic(path: str, obj: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 def write_result(result: dict, out_path: str | None) -> None:

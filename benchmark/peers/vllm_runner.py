@@ -2,12 +2,14 @@
 
     <vllm-venv>/bin/python benchmark/peers/vllm_runner.py SPEC.json RESULT.json
 
-SPEC: {"mode": "generate" | "latency", "model": HF checkpoint dir, "dtype": "bfloat16",
+SPEC: {"mode": "generate" | "latency" | "rounds", "model": HF checkpoint dir, "dtype": "bfloat16",
        "prompts": [[ids...], ...] (generate) | "prompt": [ids...] (latency),
        "output_len": N, "max_num_seqs": 32, "prefix_caching": true, "repeats": 5,
        "enforce_eager": false}
 Prompts go in as token ids (TokensPrompt), greedy, ignore_eos=True, exactly output_len tokens.
-The result JSON is written to RESULT.json (and printed last on stdout).
+The result JSON is written to RESULT.json (and printed last on stdout). "rounds" keeps the
+engine loaded and runs the "generate" workload once per `run K` line on stdin
+(peer_io.serve_rounds; driven by benchmark/peer_rounds.py).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import os
 import sys
 import time
 
-from peer_io import (cached_tokens_total, latency_fields, read_spec, spec_prompts, throughput_fields,
-                     time_first_and_full, write_result)
+from peer_io import (cached_tokens_total, latency_fields, read_spec, serve_rounds, spec_prompts,
+                     throughput_fields, time_first_and_full, write_result)
 
 
 def main() -> None:
@@ -51,14 +53,22 @@ def main() -> None:
               "max_num_seqs": spec.get("max_num_seqs", 32), "enforce_eager": spec.get("enforce_eager", False),
               "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
-    if mode == "generate":
+    def generate_once() -> dict:
+        llm.reset_prefix_cache()  # every run from a cold cache, as radixlm's
         t0 = time.perf_counter()
         outs = gen(prompts, output_len)
         wall = time.perf_counter() - t0
         outputs = [list(o.outputs[0].token_ids) for o in outs]
         cached = [getattr(o, "num_cached_tokens", None) for o in outs]
-        result = {**common, **throughput_fields(prompts, sum(map(len, outputs)), wall),
-                  "cached_tokens_total": cached_tokens_total(cached), "outputs": outputs}
+        return {**common, **throughput_fields(prompts, sum(map(len, outputs)), wall),
+                "cached_tokens_total": cached_tokens_total(cached), "outputs": outputs}
+
+    if mode == "rounds":
+        assert out_path is not None, "rounds mode writes its results next to RESULT.json"
+        serve_rounds(out_path, common, generate_once)
+        result = {**common, "rounds": "done"}
+    elif mode == "generate":
+        result = generate_once()
     else:
         ttft, full = time_first_and_full(lambda n: len(gen(prompts, n)[0].outputs[0].token_ids), output_len,
                                          spec.get("repeats", 5), before_each=llm.reset_prefix_cache)

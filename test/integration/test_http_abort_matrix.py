@@ -118,7 +118,7 @@ def http(server):
 
 def counters(info: dict) -> dict:
     return {"num_aborted": info["num_aborted"], "num_finished": info["num_finished"],
-            **{p: info[f"aborts_{p}"] for p in PLACES}}
+            "taken_back": info["num_batches_taken_back"], **{p: info[f"aborts_{p}"] for p in PLACES}}
 
 
 def requests_received(http: httpx.Client) -> float:
@@ -272,7 +272,8 @@ def _pin_running(cell: Cell, rid: str, stream: bool, live: bool) -> None:
     cell.victim = cell.call(generate_body(rid, cell.prompt, FOREVER, stream))
     wait_info(cell.server, lambda i: i["num_running_reqs"] == 1
               and i["num_decode_tokens"] >= base["num_decode_tokens"] + 3, "decoding")
-    if live:  # with overlap on, a decoding request is always inside the launched batch
+    if live:  # with overlap on, a decoding request is inside the launched batch (or the abort
+        # takes that batch back before it starts: _run_cell accepts either)
         cell.place = "in_flight" if cell.server.overlap else "running"
         return
     cell.pause()
@@ -352,7 +353,13 @@ def _run_cell(server: ServerProcess, http: httpx.Client, state: str, entry: str,
         delta = {k: after[k] - before[k] for k in after}
         want = {k: 0 for k in delta}
         if cell.place is not None:
-            want.update(num_aborted=1, num_finished=1, **{cell.place: 1})
+            place = cell.place
+            if place == "in_flight" and state == "running_live" and delta["taken_back"] == 1:
+                # the abort arrived while the forward ran: the decode batch queued behind it was
+                # taken back (abort_watch.py), so the abort found the request running
+                place = "running"
+                want["taken_back"] = 1
+            want.update(num_aborted=1, num_finished=1, **{place: 1})
         if state == "chunked_live" and (delta != want or (final is not None and final["output_ids"])):
             raise Missed(f"the prefill was over before the abort: {delta}")
         assert delta == want, (cell.place, delta)  # one terminal output, from where the request was
