@@ -58,10 +58,10 @@ class MHATokenToKVPool:
         self.compute_dtype = dtype
         self.dtype = torch.int8 if self.quantized else dtype
         self.device = torch.device(device)
-        # torch.empty: zero-filling a multi-GB pool costs ~0.3 s/GB at startup on a small
-        # VM. Only row 0 must be finite, because attention backends point masked padding
-        # columns at it (masked weights are 0, and 0 * NaN would still poison P @ V).
-        # Other slots are read only after being written.
+        # On CPU the buffers are written whole once here (see _empty). Only row 0 must hold
+        # finite values, because attention backends point masked padding columns at it
+        # (masked weights are 0, and 0 * NaN would still poison P @ V); other slots are read
+        # only after being written.
         self.k_buffer: list[torch.Tensor] = []
         self.v_buffer: list[torch.Tensor] = []
         self.k_scale: list[torch.Tensor] = []  # int8 pools: float32 [size + 1, num_kv_heads]
@@ -81,7 +81,14 @@ class MHATokenToKVPool:
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if torch.device(self.device).type == "cpu":  # decode streams these: huge pages
-            return empty_hugepage(shape, dtype)
+            buf = empty_hugepage(shape, dtype)
+            # Faulted in now, not by the decode step that first writes a page: slots are handed
+            # out in order through the whole pool, so every 2 MiB of rows a step wrote a fresh
+            # page in each of the 2 * layers buffers at once (60 pages, ~300 ms on a 2-core VM
+            # whose host backs guest memory on first touch), stalling every running request
+            # and every abort's KV release. The same cost at start-up: 0.03-1.3 s/GB.
+            buf.zero_()
+            return buf
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def release(self) -> None:
