@@ -58,7 +58,7 @@ class MHATokenToKVPool:
         self.compute_dtype = dtype
         self.dtype = torch.int8 if self.quantized else dtype
         self.device = torch.device(device)
-        # On CPU the buffers are written whole once here (see _empty). Only row 0 must hold
+        # _empty writes CPU buffers whole, others only their row 0. Only row 0 must hold
         # finite values, because attention backends point masked padding columns at it
         # (masked weights are 0, and 0 * NaN would still poison P @ V); other slots are read
         # only after being written.
@@ -76,8 +76,6 @@ class MHATokenToKVPool:
             scale_shape = (self.size + 1, self.num_kv_heads)
             self.k_scale[:] = [self._empty(scale_shape, torch.float32) for _ in range(self.num_layers)]
             self.v_scale[:] = [self._empty(scale_shape, torch.float32) for _ in range(self.num_layers)]
-        for buf in self.slot_buffers():
-            buf[0].zero_()
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if torch.device(self.device).type == "cpu":  # decode streams these: huge pages
@@ -86,10 +84,12 @@ class MHATokenToKVPool:
             # out in order through the whole pool, so every 2 MiB of rows a step wrote a fresh
             # page in each of the 2 * layers buffers at once (60 pages, ~300 ms on a 2-core VM
             # whose host backs guest memory on first touch), stalling every running request
-            # and every abort's KV release. The same cost at start-up: 0.03-1.3 s/GB.
+            # and every abort's KV release. The same cost at start-up: 0.06-2.2 s/GB here.
             buf.zero_()
             return buf
-        return torch.empty(shape, dtype=dtype, device=self.device)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)  # (device memory is eager)
+        buf[0].zero_()
+        return buf
 
     def release(self) -> None:
         """Give the memory back (RL trainers reuse it); `allocate()` brings it back empty."""
