@@ -37,6 +37,9 @@ class SmgGateway:
     # stopping at the same time abort theirs, so a short grace is enough.
     shutdown_grace_s: int = 5
     metrics_port: int = 0
+    # smg polls each worker's /v1/loads this often (its default is 10 s)
+    load_monitor_interval_s: int = 10
+    api_key: str | None = None  # smg checks it on its routes and sends it to the workers
     process: ChildProcess | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,7 +54,10 @@ class SmgGateway:
         argv = [sys.executable, "-m", "smg", "launch", "--host", self.host, "--port", str(self.port),
                 "--policy", self.policy, "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(self.metrics_port), "--log-level", "warn",
-                "--shutdown-grace-period-secs", str(self.shutdown_grace_s)]
+                "--shutdown-grace-period-secs", str(self.shutdown_grace_s),
+                "--load-monitor-interval", str(self.load_monitor_interval_s)]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
         if self.worker_urls:
             argv += ["--worker-urls", *self.worker_urls]
         if self.enable_rl:
@@ -63,16 +69,30 @@ class SmgGateway:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """`/readiness` is 200 once the gateway has workers; wait for all of ours."""
-        n = len(self.worker_urls)
+        """Until every worker is healthy and in the gateway's load snapshot.
+
+        `/readiness` is 200 once the gateway has one worker. The snapshot matters too: smg's
+        load monitor polls the workers registered when it starts and then every
+        `load_monitor_interval_s`, and until a worker has been polled its expected-wait score
+        is never below the polled ones', so every cache miss (cache_aware's fallback) goes
+        to the worker polled first."""
+        assert self.process is not None
+        want = set(self.worker_urls)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
         def all_healthy(body: bytes) -> bool:
             try:
-                return json.loads(body).get("healthy_workers", 0) >= n
+                return json.loads(body).get("healthy_workers", 0) >= len(want)
             except ValueError:
                 return False
-        assert self.process is not None
+
+        def all_polled(body: bytes) -> bool:
+            try:
+                return want <= {row.get("worker") for row in json.loads(body).get("loads", [])}
+            except (ValueError, AttributeError):
+                return False
         wait_until_ready([self.process], [self.url + "/readiness"], timeout, check=all_healthy)
+        wait_until_ready([self.process], [self.url + "/get_loads"], timeout, check=all_polled, headers=headers)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.process is None:

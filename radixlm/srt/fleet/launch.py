@@ -66,9 +66,8 @@ def _start_router(router: str, policy: str, args: ServerArgs, urls: list[str]) -
     if router == "smg":
         extra = ["--health-check-interval-secs", "5"]
         api_key = getattr(args, "api_key", None)  # replicas check it; smg sends its --api-key to them
-        if api_key:
-            extra += ["--api-key", api_key]
-        gw = SmgGateway(urls, host=args.host, port=args.port, policy=policy, extra_args=extra).start()
+        gw = SmgGateway(urls, host=args.host, port=args.port, policy=policy, extra_args=extra,
+                        api_key=api_key).start()
         assert gw.process is not None
         return gw.process, gw.wait_ready
     argv = [sys.executable, "-m", "radixlm.srt.fleet.dispatcher", "--host", args.host, "--port", str(args.port),

@@ -77,16 +77,18 @@ class ChildProcess:
             return self.popen.wait()
 
 
-def http_ok(url: str, timeout: float = 2.0, check: Callable[[bytes], bool] | None = None) -> bool:
+def http_ok(url: str, timeout: float = 2.0, check: Callable[[bytes], bool] | None = None,
+            headers: dict[str, str] | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status == 200 and (check is None or check(r.read()))
     except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
 def wait_until_ready(children: Sequence[ChildProcess], urls: Sequence[str], timeout: float,
-                     check: Callable[[bytes], bool] | None = None) -> None:
+                     check: Callable[[bytes], bool] | None = None,
+                     headers: dict[str, str] | None = None) -> None:
     """Until every `url` answers 200 (and `check`); raises if a child exits or time runs out."""
     pending = dict(zip(urls, children))
     deadline = time.monotonic() + timeout
@@ -94,7 +96,7 @@ def wait_until_ready(children: Sequence[ChildProcess], urls: Sequence[str], time
         for url, child in list(pending.items()):
             if not child.alive():
                 raise RuntimeError(f"{child.name} exited during start-up (exit code {child.popen.returncode})")
-            if http_ok(url, check=check):
+            if http_ok(url, check=check, headers=headers):
                 del pending[url]
         if pending and time.monotonic() > deadline:
             raise RuntimeError(f"not ready within {timeout:.0f} s: {', '.join(sorted(pending))}")
