@@ -64,11 +64,12 @@ def _stop_all(servers) -> None:
 
 
 def _start_gateway(workers, tmp_path_factory, name: str, *extra: str, policy: str = "cache_aware",
-                   load_poll_s: int = 1) -> SmgGateway:
+                   load_monitor_interval_s: int = 1) -> SmgGateway:
     """A gateway over `workers`, ready once it is polled every one's load (`wait_ready`): a
     short poll keeps that wait short."""
     log = open(tmp_path_factory.mktemp(name) / "smg.log", "wb")
-    gw = SmgGateway([w.base for w in workers], policy=policy, extra_args=extra, load_monitor_interval_s=load_poll_s)
+    gw = SmgGateway([w.base for w in workers], policy=policy, extra_args=extra,
+                    load_monitor_interval_s=load_monitor_interval_s)
     gw.start(log=log)
     gw.log = log
     try:
@@ -220,12 +221,11 @@ def _prefix_workload(url: str, groups: int = 4, turns: int = 3) -> list[list[int
 
 def test_cache_aware_routing_keeps_a_prefix_on_one_worker(gw, workers, tmp_path_factory):
     # A gateway of its own: the module's gateway keeps its approximate tree of every earlier
-    # test's requests (flush_cache does not reach it) and its count of prompts sent since the
-    # last poll, so where a miss goes would depend on test order.
-    # smg's own 10 s load poll: a cache miss goes to the lowest expected wait, which counts the
-    # prompts sent to each worker since its last poll, so the first two groups' misses go to
-    # different workers only when no poll lands between them (a 1 s poll often does).
-    ca = _start_gateway(workers, tmp_path_factory, "smg_ca", load_poll_s=10)
+    # test's requests (flush_cache does not reach it), so where a miss goes would depend on
+    # test order. A miss goes to the lowest expected wait, which counts the prompts sent to
+    # each worker since its last load poll: with smg's own 10 s poll the first two groups'
+    # misses go to different workers, a 1 s poll often lands between them and resets the count.
+    ca = _start_gateway(workers, tmp_path_factory, "smg_ca", load_monitor_interval_s=10)
     try:
         assert httpx.post(ca.url + "/flush_cache").status_code == 200  # fans out to every worker
         before = _requests(workers)
