@@ -1,4 +1,5 @@
-"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp, kv_int8_ops.cpp, float_gemm.cpp, bf16_gemm.cpp) with the system C++ compiler on first use and load it with ctypes.
+"""Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp, kv_int8_ops.cpp, float_gemm.cpp,
+bf16_gemm.cpp, extend_attention.cpp) with the system C++ compiler on first use and load it with ctypes.
 
 A plain shared library (no torch headers, no Python C API) compiles in about a second,
 so no build step is needed at install time and a machine without a compiler still runs
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
-           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp"]
+           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp"]
 HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 # Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose
@@ -68,6 +69,9 @@ _SIGNATURES = {
     "radixlm_bf16_gemm_available": [],
     "radixlm_bf16_linear": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
     "radixlm_float_linear": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
+    "radixlm_extend_attention_available": [],
+    "radixlm_extend_attention_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT,
+                                      ctypes.c_float, _I64, _INT],
     "radixlm_decode_attention_int8": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                                       _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
 }

@@ -70,6 +70,50 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     return out if rc == 0 else None
 
 
+
+EXTEND_HEAD_DIMS = (32, 64, 96, 128, 256)  # the head dims extend_attention.cpp instantiates
+EXTEND_PACK_BUDGET = 64 << 20  # bytes of packed K/V per group of requests (the kernel's workspace)
+
+
+def extend_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the native bf16 prefill attention (extend_attention.cpp, AVX512-BF16 only) runs
+    these shapes."""
+    lib = load()
+    return (lib is not None and lib.radixlm_extend_attention_available() == 1 and num_kv_heads > 0
+            and num_heads % num_kv_heads == 0 and head_dim in EXTEND_HEAD_DIMS)
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, q_indptr: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
+                     pack_budget_bytes: int = EXTEND_PACK_BUDGET) -> torch.Tensor | None:
+    """Causal attention of each request's new tokens over its cached prefix and themselves.
+
+    Request b: query rows q[q_indptr[b]:q_indptr[b+1]] (its new tokens in order), keys
+    kv_indices[kv_indptr[b]:kv_indptr[b+1]] (pool slots, prefix then the new tokens, whose K/V
+    are already stored), so new token i sees the first len - ext + i + 1 keys. q: bfloat16
+    [T, Hq, D] with each token's heads contiguous; k_buf/v_buf bfloat16 [slots, Hkv, D]
+    contiguous; indptrs and indices int64. Requests are done in groups whose packed K/V fit
+    pack_budget_bytes. Returns out [T, Hq, D], None when unsupported.
+    """
+    lib = load()
+    t, hq, d = q.shape
+    if lib is None or q.dtype != torch.bfloat16 or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+        return None
+    if q.stride(2) != 1 or q.stride(1) != d or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        return None
+    for ix in (q_indptr, kv_indptr, kv_indices):
+        if ix.dtype != torch.int64 or not ix.is_contiguous():
+            return None
+    b = q_indptr.numel() - 1
+    if kv_indptr.numel() != b + 1 or int(q_indptr[-1]) != t:
+        return None
+    out = torch.empty((t, hq, d), dtype=q.dtype)
+    rc = lib.radixlm_extend_attention_bf16(_ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf), _ptr(q_indptr),
+                                           _ptr(kv_indptr), _ptr(kv_indices), _ptr(out), out.stride(0), b, hq,
+                                           k_buf.shape[1], d, scale, pack_budget_bytes,
+                                           torch.get_num_threads())
+    return out if rc == 0 else None
+
 def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate (neox style) every head of x [T, H, D] in place; cos/sin float32 [max_pos, D/2]
     contiguous. False when unsupported (x untouched)."""

@@ -13,9 +13,11 @@ EXTEND: when every request extends by a few tokens (<= SHORT_EXTEND: chat turns,
 prompts, a batch of small prefills), each new token is a decode-style row over its causal
 keys (its cached prefix and the new tokens up to itself) and the whole batch is one kernel
 call per layer; torch_native's path made one SDPA call per request per layer (~80 us each,
-32 requests x 30 layers per prefill batch). Longer extends take torch_native's SDPA path
-(prefill is GEMM-bound and SDPA's flash kernel is good there). The KV store is one C call
-(row copies) instead of two index_copy_.
+32 requests x 30 layers per prefill batch). Longer extends over a bf16 pool, on a CPU with
+AVX512-BF16, are one call of the native prefill kernel per layer (extend_attention.cpp: packed
+K/V tiles, causal blocks skipped, the cached prefix read unmasked; 3-4x torch's SDPA at a 2k
+prompt's chunk shapes); elsewhere they take torch_native's SDPA path. The KV store is one C
+call (row copies) instead of two index_copy_.
 
 An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
 kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix and long
@@ -41,6 +43,13 @@ class _NativeDecode:
     shared_index: torch.Tensor | None = None  # [P] slots every request starts with (keys above exclude them)
 
 
+@dataclass
+class _NativeExtend:
+    q_indptr: torch.Tensor  # int64 [B + 1] over the new tokens
+    kv_indptr: torch.Tensor  # int64 [B + 1] over each request's keys (prefix + new tokens)
+    kv_indices: torch.Tensor  # int64 pool slots
+
+
 SHORT_EXTEND = 64  # longest extend (new tokens of one request) taken as decode-style rows
 MAX_SHORT_EXTEND_KEYS = 1 << 22  # bound on the per-row key lists (int64 indices)
 
@@ -60,13 +69,15 @@ class CpuNativeAttention(TorchNativeAttention):
         else:
             self.native_decode = (cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
                                   and kv_pool.dtype in (torch.float32, torch.bfloat16))
+        self.native_extend = (not self.quantized and kv_pool.dtype == torch.bfloat16
+                              and cpu_ops.extend_attention_supported(num_heads, num_kv_heads, head_dim))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.req_to_token.device.type != "cpu" or not self.native_decode:
             super().init_forward_metadata(fb)
             return
         if fb.mode != ForwardMode.DECODE:
-            if not self._init_short_extend(fb):
+            if not self._init_short_extend(fb) and not self._init_native_extend(fb):
                 super().init_forward_metadata(fb)
             return
         lens = fb.seq_lens_cpu
@@ -97,9 +108,25 @@ class CpuNativeAttention(TorchNativeAttention):
         fb.attn_metadata = _NativeDecode(build_indptr(key_lens, torch.int64), indices)
         return True
 
+    def _init_native_extend(self, fb: ForwardBatch) -> bool:
+        """Long extends on the prefill kernel: each request's keys are its first seq_len slots."""
+        if not self.native_extend or not fb.extend_seq_lens_cpu:
+            return False
+        keys = build_kv_indices(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu))
+        fb.attn_metadata = _NativeExtend(build_indptr(fb.extend_seq_lens, torch.int64),
+                                         build_indptr(fb.seq_lens, torch.int64), keys)
+        return True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         meta = fb.attn_metadata
+        if isinstance(meta, _NativeExtend):
+            self._store(layer_id, k, v, fb.out_cache_loc)
+            k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+            out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale)
+            if out is None:
+                raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
+            return out
         if not isinstance(meta, _NativeDecode):
             return super().forward(q, k, v, layer_id, fb, scale)
         self._store(layer_id, k, v, fb.out_cache_loc)

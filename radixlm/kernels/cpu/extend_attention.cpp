@@ -1,0 +1,323 @@
+// Prefill (extend) attention over a bf16 KV pool on AVX512-BF16 (Zen 4, Sapphire Rapids and
+// later): each request's new tokens attend causally to its cached prefix and to themselves.
+//
+// Why native: torch's CPU flash attention runs this model's chunk shapes (9 query heads, 3 KV
+// heads, D 64) at a tenth of the bf16 dot-product peak, and a cached prefix costs it a boolean
+// mask over every key (docs/roofline.md, "Prefill of a 2k prompt").
+//
+// Layout. Per call, each request's keys of one KV head are packed once, so that no inner loop
+// needs a horizontal sum:
+//   K: 16-key tiles, D in bf16 pairs, [tile][D/2][16 keys][2]. A query row's 16 scores are D/2
+//      vdpbf16ps of one packed vector against the row's (d, d+1) pair broadcast.
+//   V: key pairs with D interleaved, [pair][D][2]. One vdpbf16ps adds p_j v_j + p_j+1 v_j+1 to
+//      16 output dims, with the row's (p_j, p_j+1) pair broadcast.
+// kRows query rows (token, query head of the KV head) share each loaded K and V vector. Scores
+// and P are float32 per 32-key block; P is rounded to bf16 for P @ V (as GPU flash attention
+// does), accumulation is float32, and the online softmax runs once per block and row. Blocks
+// past a row block's causal end are never visited, the prefix needs no mask, and only blocks
+// that cross some row's causal end are masked.
+
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "decode_tasks.h"
+
+namespace {
+
+using radixlm::exp512;
+using radixlm::kNoMax;
+
+constexpr int kRows = 8;     // query rows per register tile of the score phase
+constexpr int kKeys = 32;    // keys per online-softmax block (two 16-key tiles)
+constexpr int kQTile = 64;   // query tokens per task
+
+// Rows of P @ V sharing each loaded V vector: their D/16 accumulators each, plus D/16 V
+// vectors, within the 32 registers.
+template <int D>
+constexpr int pv_rows() { return D <= 64 ? 4 : D <= 128 ? 2 : 1; }
+
+int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
+
+// Pack keys [k0, k0 + 32) of one request and KV head (slots idx, len keys in all; keys past
+// len are zero) into K tiles and V pairs.
+template <int D>
+void pack_block(const uint16_t* kbuf, const uint16_t* vbuf, int64_t row_stride, const int64_t* idx, int64_t len,
+                int64_t k0, uint32_t* kp, uint32_t* vp) {
+  constexpr int DP = D / 2;
+  const uint32_t* kr[kKeys];
+  const uint16_t* vr[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
+    const bool in = k0 + j < len;
+    kr[j] = in ? (const uint32_t*)(kbuf + idx[k0 + j] * row_stride) : nullptr;
+    vr[j] = in ? vbuf + idx[k0 + j] * row_stride : nullptr;
+  }
+  for (int t = 0; t < 2; ++t)  // K: [tile][DP][16]
+    for (int dp = 0; dp < DP; ++dp)
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t* r = kr[16 * t + j];
+        kp[(t * DP + dp) * 16 + j] = r ? r[dp] : 0u;
+      }
+  for (int p = 0; p < kKeys / 2; ++p) {  // V: [pair][D] of (v_2p, v_2p+1)
+    const uint16_t *a = vr[2 * p], *b = vr[2 * p + 1];
+    for (int d = 0; d < D; ++d)
+      vp[p * D + d] = (uint32_t)(a ? a[d] : 0) | (uint32_t)(b ? b[d] : 0) << 16;
+  }
+}
+
+// acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
+template <int D, int RG>
+inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const float* corr, float (*acc)[D]) {
+  constexpr int NC = D / 16;
+  __m512 o[RG][NC];
+  for (int r = 0; r < RG; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int c16 = 0; c16 < NC; ++c16) o[r][c16] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c16), c);
+  }
+  for (int jp = 0; jp < kKeys / 2; ++jp) {
+    __m512i v[NC];
+    for (int c16 = 0; c16 < NC; ++c16) v[c16] = _mm512_load_si512(vp + jp * D + 32 * c16 / 2);
+    for (int r = 0; r < RG; ++r) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pb[r][jp]);
+      for (int c16 = 0; c16 < NC; ++c16) o[r][c16] = _mm512_dpbf16_ps(o[r][c16], (__m512bh)v[c16], p);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int c16 = 0; c16 < NC; ++c16) _mm512_store_ps(acc[r] + 16 * c16, o[r][c16]);
+}
+
+struct Rows {  // one register tile of query rows
+  const uint16_t* q[kRows];
+  uint16_t* out[kRows];
+  int64_t kend[kRows];  // keys [0, kend) are visible to the row
+  int n;                // real rows (the rest repeat the last one and are not stored)
+};
+
+// Attention of one tile of rows over the packed keys of their request and KV head.
+template <int D>
+void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float scale) {
+  constexpr int DP = D / 2;
+  alignas(64) uint32_t qb[kRows][DP];
+  alignas(64) float acc[kRows][D];
+  alignas(64) uint32_t pb[kRows][kKeys / 2];
+  alignas(64) float m[16], bm[16], corr[16];
+  __m512 l[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    memcpy(qb[r], rows.q[r], D * sizeof(uint16_t));
+    memset(acc[r], 0, sizeof(acc[r]));
+    m[r] = kNoMax;
+    l[r] = _mm512_setzero_ps();
+  }
+  for (int r = kRows; r < 16; ++r) m[r] = bm[r] = 0.f;
+  int64_t kmin = rows.kend[0], kmax = rows.kend[0];
+  for (int r = 1; r < kRows; ++r) {
+    kmin = std::min(kmin, rows.kend[r]);
+    kmax = std::max(kmax, rows.kend[r]);
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
+    const uint32_t* kt = kp + k0 * D / 2;  // 32 keys of D bf16 = 16 * D uint32
+    __m512 s0[kRows], s1[kRows];
+    for (int r = 0; r < kRows; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    for (int dp = 0; dp < DP; ++dp) {
+      const __m512bh a = (__m512bh)_mm512_load_si512(kt + dp * 16);
+      const __m512bh b = (__m512bh)_mm512_load_si512(kt + (DP + dp) * 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qb[r][dp]);
+        s0[r] = _mm512_dpbf16_ps(s0[r], a, qq);
+        s1[r] = _mm512_dpbf16_ps(s1[r], b, qq);
+      }
+    }
+    const bool masked = k0 + kKeys > kmin;
+    __mmask16 m0[kRows], m1[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      s0[r] = _mm512_mul_ps(s0[r], vscale);
+      s1[r] = _mm512_mul_ps(s1[r], vscale);
+      if (masked) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
+        m0[r] = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
+        m1[r] = (__mmask16)(n >= 32 ? 0xFFFFu : n > 16 ? (1u << (n - 16)) - 1u : 0u);
+        s0[r] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), m0[r], s0[r]);
+        s1[r] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), m1[r], s1[r]);
+      }
+      bm[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r])));
+    }
+    // Every row has key 0, so m is finite after the first block and corr is never exp(0 - 0)
+    // of an empty row; the 8 corrections are one vector exp.
+    _mm512_store_ps(corr, exp512(_mm512_sub_ps(_mm512_load_ps(m), _mm512_load_ps(bm))));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 b = _mm512_set1_ps(bm[r]);
+      __m512 p0 = exp512(_mm512_sub_ps(s0[r], b)), p1 = exp512(_mm512_sub_ps(s1[r], b));
+      if (masked) {
+        p0 = _mm512_maskz_mov_ps(m0[r], p0);
+        p1 = _mm512_maskz_mov_ps(m1[r], p1);
+      }
+      l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), _mm512_add_ps(p0, p1));
+      m[r] = bm[r];
+      _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0-15 low, 16-31 high
+    }
+    const uint32_t* vt = vp + k0 * D / 2;
+    constexpr int RG = pv_rows<D>();
+    for (int r = 0; r < kRows; r += RG) pv_block<D, RG>(vt, pb + r, corr + r, acc + r);
+  }
+  for (int r = 0; r < rows.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+    for (int c = 0; c < D; c += 16)
+      _mm256_storeu_si256((__m256i*)(rows.out[r] + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv)));
+  }
+}
+
+// 64-byte aligned scratch kept by the calling thread between calls (the scheduler calls once
+// per layer with similar sizes: no page faults after the first).
+uint32_t* workspace(int64_t words) {
+  thread_local std::vector<uint32_t> buf;
+  if ((int64_t)buf.size() < words + 16) buf.resize(words + 16);
+  return (uint32_t*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+}
+
+struct Task {
+  int b, h;
+  int64_t t0, t1;  // the request's query tokens [t0, t1)
+  int64_t cost;
+};
+
+template <int D>
+void extend_group(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, const uint16_t* vbuf,
+                  const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out,
+                  int64_t out_stride, int b0, int b1, int Hq, int Hkv, float scale, int nthreads) {
+  const int G = Hq / Hkv;
+  const int64_t row_stride = (int64_t)Hkv * D;
+  // Packed K then V per (request, head): padded(len) * D / 2 words each.
+  std::vector<int64_t> base(b1 - b0 + 1, 0);
+  for (int b = b0; b < b1; ++b)
+    base[b - b0 + 1] = base[b - b0] + 2 * Hkv * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2;
+  uint32_t* ws = workspace(base.back());
+  auto kpack = [&](int b, int h) {
+    return ws + base[b - b0] + (int64_t)h * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2;
+  };
+  auto vpack = [&](int b, int h) { return kpack(b, h) + Hkv * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2; };
+
+  std::vector<Task> pack, work;
+  for (int b = b0; b < b1; ++b) {
+    const int64_t len = kv_indptr[b + 1] - kv_indptr[b], ext = q_indptr[b + 1] - q_indptr[b];
+    if (ext == 0) continue;
+    for (int h = 0; h < Hkv; ++h) {
+      for (int64_t k0 = 0; k0 < len; k0 += kKeys) pack.push_back({b, h, k0, 0, 0});
+      for (int64_t t0 = 0; t0 < ext; t0 += kQTile) {
+        const int64_t t1 = std::min(ext, t0 + kQTile);
+        work.push_back({b, h, t0, t1, (t1 - t0) * (len - ext + (t0 + t1) / 2)});
+      }
+    }
+  }
+  // Longest tasks first, so that the dynamic schedule ends with short ones.
+  std::sort(work.begin(), work.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  const int64_t npack = (int64_t)pack.size(), nwork = (int64_t)work.size();
+#pragma omp parallel num_threads(nthreads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < npack; ++i) {
+      const Task& t = pack[i];
+      const int64_t off = kv_indptr[t.b], len = kv_indptr[t.b + 1] - off;
+      pack_block<D>(kbuf + t.h * D, vbuf + t.h * D, row_stride, kv_indices + off, len, t.t0,
+                    kpack(t.b, t.h) + t.t0 * D / 2, vpack(t.b, t.h) + t.t0 * D / 2);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nwork; ++i) {
+      const Task& t = work[i];
+      const int64_t len = kv_indptr[t.b + 1] - kv_indptr[t.b], ext = q_indptr[t.b + 1] - q_indptr[t.b];
+      const int64_t prefix = len - ext, nrows = (t.t1 - t.t0) * G;
+      for (int64_t r0 = 0; r0 < nrows; r0 += kRows) {
+        Rows rows;
+        rows.n = (int)std::min<int64_t>(kRows, nrows - r0);
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t row = r0 + std::min(r, rows.n - 1);  // token-major: (token, group head)
+          const int64_t tok = t.t0 + row / G, head = (int64_t)t.h * G + row % G;
+          rows.q[r] = q + (q_indptr[t.b] + tok) * q_stride + head * D;
+          rows.out[r] = out + (q_indptr[t.b] + tok) * out_stride + head * D;
+          rows.kend[r] = prefix + tok + 1;
+        }
+        attend_rows<D>(rows, kpack(t.b, t.h), vpack(t.b, t.h), scale);
+      }
+    }
+  }
+}
+
+template <int D>
+void extend_attention(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, const uint16_t* vbuf,
+                      const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out,
+                      int64_t out_stride, int B, int Hq, int Hkv, float scale, int64_t pack_budget,
+                      int nthreads) {
+  for (int b0 = 0; b0 < B;) {
+    int b1 = b0 + 1;
+    int64_t bytes = 4 * Hkv * padded(kv_indptr[b1] - kv_indptr[b0]) * D;
+    while (b1 < B) {
+      const int64_t more = 4 * Hkv * padded(kv_indptr[b1 + 1] - kv_indptr[b1]) * D;
+      if (bytes + more > pack_budget) break;
+      bytes += more;
+      ++b1;
+    }
+    extend_group<D>(q, q_stride, kbuf, vbuf, q_indptr, kv_indptr, kv_indices, out, out_stride, b0, b1, Hq, Hkv,
+                    scale, nthreads);
+    b0 = b1;
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+int radixlm_extend_attention_available() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Request b: query rows q_indptr[b] .. q_indptr[b+1] (its new tokens, in order, the last of
+// them the request's last key), keys kv_indices[kv_indptr[b] .. kv_indptr[b+1]] (pool slots,
+// prefix then new tokens; the new tokens' K/V already stored). q/out rows [Hq][D] at their row
+// strides, kbuf/vbuf [slots][Hkv][D]. Requests are packed and attended in groups whose packed
+// K + V fit pack_budget bytes (at least one request per group), so the workspace stays bounded
+// whatever the contexts' lengths. Nonzero return = unsupported (nothing written).
+int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
+                                  const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices,
+                                  void* out, int64_t out_stride, int B, int Hq, int Hkv, int D, float scale,
+                                  int64_t pack_budget, int nthreads) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (Hkv <= 0 || Hq % Hkv) return -1;
+  for (int b = 0; b < B; ++b)
+    if (q_indptr[b + 1] - q_indptr[b] > kv_indptr[b + 1] - kv_indptr[b]) return -1;
+#define RADIXLM_EXTEND(DIM)                                                                                  \
+  case DIM:                                                                                                  \
+    extend_attention<DIM>((const uint16_t*)q, q_stride, (const uint16_t*)kbuf, (const uint16_t*)vbuf,        \
+                          q_indptr, kv_indptr, kv_indices, (uint16_t*)out, out_stride, B, Hq, Hkv, scale, \
+                          pack_budget, nthreads);                                                            \
+    return 0;
+  switch (D) {
+    RADIXLM_EXTEND(32)
+    RADIXLM_EXTEND(64)
+    RADIXLM_EXTEND(96)
+    RADIXLM_EXTEND(128)
+    RADIXLM_EXTEND(256)
+    default:
+      return -2;
+  }
+#undef RADIXLM_EXTEND
+#else
+  (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)q_indptr, (void)kv_indptr, (void)kv_indices, (void)out;
+  (void)out_stride, (void)B, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)pack_budget;
+  (void)nthreads;
+  return -1;
+#endif
+}
+
+}  // extern "C"
