@@ -11,7 +11,7 @@
 //      vdpbf16ps of one packed vector against the row's (d, d+1) pair broadcast.
 //   V: key pairs with D interleaved, [pair][D][2]. One vdpbf16ps adds p_j v_j + p_j+1 v_j+1 to
 //      16 output dims, with the row's (p_j, p_j+1) pair broadcast.
-// kRows query rows (token, query head of the KV head) share each loaded K and V vector. Scores
+// kRows (12) query rows (token, query head of the KV head) share each loaded K and V vector. Scores
 // and P are float32 per 32-key block; P is rounded to bf16 for P @ V (as GPU flash attention
 // does), accumulation is float32, and the online softmax runs once per block and row. Blocks
 // past a row block's causal end are never visited, the prefix needs no mask, and only blocks
@@ -31,17 +31,35 @@
 
 namespace {
 
-using radixlm::exp512;
 using radixlm::kNoMax;
 
-constexpr int kRows = 8;     // query rows per register tile of the score phase
+// Query rows per register tile: 24 score accumulators (two 16-key tiles each) plus the two K
+// vectors and a broadcast. 12 rows measured 14% faster than 8 at D 64 (each V vector serves 6
+// rows in P @ V instead of 4); 12 is also 4 tokens of a 3-query-head group.
+constexpr int kRows = 12;
 constexpr int kKeys = 32;    // keys per online-softmax block (two 16-key tiles)
 constexpr int kQTile = 64;   // query tokens per task
 
 // Rows of P @ V sharing each loaded V vector: their D/16 accumulators each, plus D/16 V
 // vectors, within the 32 registers.
 template <int D>
-constexpr int pv_rows() { return D <= 64 ? 4 : D <= 128 ? 2 : 1; }
+constexpr int pv_rows() { return D <= 64 ? 6 : D <= 96 ? 3 : D <= 128 ? 2 : 1; }
+
+// 2^x for the softmax weights: a degree-4 polynomial of the fraction (relative error < 5e-5,
+// far below the bf16 rounding P gets before P @ V) and an exponent scale; half the work of
+// exp512. Very negative x (masked keys, the first block's correction) gives 0.
+inline __m512 exp2_512(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static_assert(kRows <= 16, "the rows' maxima and corrections are one 16-lane vector");
 
 int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 
@@ -120,7 +138,8 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     kmin = std::min(kmin, rows.kend[r]);
     kmax = std::max(kmax, rows.kend[r]);
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const float c = scale * 1.44269504088896341f;  // log2(e)
+  const __m512 vc = _mm512_set1_ps(c);
   for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
     const uint32_t* kt = kp + k0 * D / 2;  // 32 keys of D bf16 = 16 * D uint32
     __m512 s0[kRows], s1[kRows];
@@ -137,8 +156,6 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     const bool masked = k0 + kKeys > kmin;
     __mmask16 m0[kRows], m1[kRows];
     for (int r = 0; r < kRows; ++r) {
-      s0[r] = _mm512_mul_ps(s0[r], vscale);
-      s1[r] = _mm512_mul_ps(s1[r], vscale);
       if (masked) {
         const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
         m0[r] = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
@@ -148,12 +165,13 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
       }
       bm[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r])));
     }
-    // Every row has key 0, so m is finite after the first block and corr is never exp(0 - 0)
-    // of an empty row; the 8 corrections are one vector exp.
-    _mm512_store_ps(corr, exp512(_mm512_sub_ps(_mm512_load_ps(m), _mm512_load_ps(bm))));
+    // Scores stay unscaled (m too): exp(scale * (s - m)) = 2^(s * c - m * c), one FMA per
+    // vector. Every row has key 0, so m is a real score after the first block; the rows'
+    // corrections are one vector exp.
+    _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(m), _mm512_load_ps(bm)), vc)));
     for (int r = 0; r < kRows; ++r) {
-      const __m512 b = _mm512_set1_ps(bm[r]);
-      __m512 p0 = exp512(_mm512_sub_ps(s0[r], b)), p1 = exp512(_mm512_sub_ps(s1[r], b));
+      const __m512 mc = _mm512_set1_ps(bm[r] * c);
+      __m512 p0 = exp2_512(_mm512_fmsub_ps(s0[r], vc, mc)), p1 = exp2_512(_mm512_fmsub_ps(s1[r], vc, mc));
       if (masked) {
         p0 = _mm512_maskz_mov_ps(m0[r], p0);
         p1 = _mm512_maskz_mov_ps(m1[r], p1);
@@ -164,6 +182,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     }
     const uint32_t* vt = vp + k0 * D / 2;
     constexpr int RG = pv_rows<D>();
+    static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
     for (int r = 0; r < kRows; r += RG) pv_block<D, RG>(vt, pb + r, corr + r, acc + r);
   }
   for (int r = 0; r < rows.n; ++r) {
