@@ -37,7 +37,11 @@ using radixlm::kNoMax;
 // vectors and a broadcast. 12 rows measured 14% faster than 8 at D 64 (each V vector serves 6
 // rows in P @ V instead of 4); 12 is also 4 tokens of a 3-query-head group.
 constexpr int kRows = 12;
-constexpr int kKeys = 32;    // keys per online-softmax block (two 16-key tiles)
+// Keys per online-softmax block, in 16-key tiles. (6 rows x 64 keys measured the same as
+// 12 x 32 at D 64.)
+constexpr int kKeys = 32;
+constexpr int kTiles = kKeys / 16;
+static_assert(kKeys % 32 == 0, "P is rounded to bf16 two tiles at a time");
 constexpr int kQTile = 64;   // query tokens per task
 
 // Rows of P @ V sharing each loaded V vector: their D/16 accumulators each, plus D/16 V
@@ -76,7 +80,7 @@ void pack_block(const uint16_t* kbuf, const uint16_t* vbuf, int64_t row_stride, 
     kr[j] = in ? (const uint32_t*)(kbuf + idx[k0 + j] * row_stride) : nullptr;
     vr[j] = in ? vbuf + idx[k0 + j] * row_stride : nullptr;
   }
-  for (int t = 0; t < 2; ++t)  // K: [tile][DP][16]
+  for (int t = 0; t < kTiles; ++t)  // K: [tile][DP][16]
     for (int dp = 0; dp < DP; ++dp)
       for (int j = 0; j < 16; ++j) {
         const uint32_t* r = kr[16 * t + j];
@@ -141,29 +145,32 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   const float c = scale * 1.44269504088896341f;  // log2(e)
   const __m512 vc = _mm512_set1_ps(c);
   for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
-    const uint32_t* kt = kp + k0 * D / 2;  // 32 keys of D bf16 = 16 * D uint32
-    __m512 s0[kRows], s1[kRows];
-    for (int r = 0; r < kRows; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
+    const uint32_t* kt = kp + k0 * D / 2;  // kKeys keys of D bf16 (D / 2 words each)
+    __m512 s[kRows][kTiles];
+    for (int r = 0; r < kRows; ++r)
+      for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_setzero_ps();
     for (int dp = 0; dp < DP; ++dp) {
-      const __m512bh a = (__m512bh)_mm512_load_si512(kt + dp * 16);
-      const __m512bh b = (__m512bh)_mm512_load_si512(kt + (DP + dp) * 16);
+      __m512bh kk[kTiles];
+      for (int t = 0; t < kTiles; ++t) kk[t] = (__m512bh)_mm512_load_si512(kt + (t * DP + dp) * 16);
       for (int r = 0; r < kRows; ++r) {
         const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qb[r][dp]);
-        s0[r] = _mm512_dpbf16_ps(s0[r], a, qq);
-        s1[r] = _mm512_dpbf16_ps(s1[r], b, qq);
+        for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], kk[t], qq);
       }
     }
     const bool masked = k0 + kKeys > kmin;
-    __mmask16 m0[kRows], m1[kRows];
+    __mmask16 mk[kRows][kTiles];
     for (int r = 0; r < kRows; ++r) {
       if (masked) {
         const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
-        m0[r] = (__mmask16)(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
-        m1[r] = (__mmask16)(n >= 32 ? 0xFFFFu : n > 16 ? (1u << (n - 16)) - 1u : 0u);
-        s0[r] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), m0[r], s0[r]);
-        s1[r] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), m1[r], s1[r]);
+        for (int t = 0; t < kTiles; ++t) {
+          const int64_t nt = n - 16 * t;
+          mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+          s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], s[r][t]);
+        }
       }
-      bm[r] = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0[r], s1[r])));
+      __m512 mx = s[r][0];
+      for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
+      bm[r] = std::max(m[r], _mm512_reduce_max_ps(mx));
     }
     // Scores stay unscaled (m too): exp(scale * (s - m)) = 2^(s * c - m * c), one FMA per
     // vector. Every row has key 0, so m is a real score after the first block; the rows'
@@ -171,14 +178,17 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(m), _mm512_load_ps(bm)), vc)));
     for (int r = 0; r < kRows; ++r) {
       const __m512 mc = _mm512_set1_ps(bm[r] * c);
-      __m512 p0 = exp2_512(_mm512_fmsub_ps(s0[r], vc, mc)), p1 = exp2_512(_mm512_fmsub_ps(s1[r], vc, mc));
-      if (masked) {
-        p0 = _mm512_maskz_mov_ps(m0[r], p0);
-        p1 = _mm512_maskz_mov_ps(m1[r], p1);
+      __m512 p[kTiles];
+      for (int t = 0; t < kTiles; ++t) {
+        p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));
+        if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
       }
-      l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), _mm512_add_ps(p0, p1));
+      __m512 sum = p[0];
+      for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
+      l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum);
       m[r] = bm[r];
-      _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // keys 0-15 low, 16-31 high
+      for (int t = 0; t < kTiles; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
+        _mm512_store_si512(pb[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
     }
     const uint32_t* vt = vp + k0 * D / 2;
     constexpr int RG = pv_rows<D>();
