@@ -47,6 +47,16 @@ class ModelConfig:
     def context_len(self) -> int:
         return self.max_position_embeddings
 
+    @property
+    def chunk_cost_keys(self) -> int:
+        """How many cached keys one new token must attend to for its attention to cost as much
+        as its linears (MACs per layer: the projections and MLP against 2 x heads x head_dim
+        per key); 3,072 for SmolLM2-135M."""
+        h, d = self.hidden_size, self.head_dim
+        qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        linears = qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size
+        return max(1, linears // (2 * self.num_attention_heads * d))
+
 
 def _opt(help: str, choices: tuple | None = None, **kw: Any) -> Any:
     default = kw.pop("default")
@@ -130,6 +140,11 @@ class ServerArgs:
         "run a long prompt's chunks back to back (SGLang's default) instead of a decode step "
         "between them while other requests decode (they then wait for the whole prompt: 40 s "
         "for 8k tokens on 2 cores)", default=False)
+    disable_chunk_cost_bound: bool = _opt(
+        "keep every prefill chunk at --chunked-prefill-size tokens while other requests decode; by "
+        "default a chunk over a long cached prefix is shortened so that it costs what a chunk of "
+        "that size with no prefix does (its attention grows with the prefix: the decode step after "
+        "each chunk waits for it)", default=False)
     schedule_policy: str = _opt("order of the waiting queue", default="fcfs")
     schedule_conservativeness: float = _opt("scales the decode-token reservation of running requests",
                                             default=1.0)
@@ -230,11 +245,12 @@ class ServerArgs:
 
     # ---- each component's part ----
     def scheduler_config(self, *, max_running_requests: int, chunked_prefill_size: int | None,
-                         device: str) -> "SchedulerConfig":
+                         device: str, chunk_cost_keys: int | None = None) -> "SchedulerConfig":
         from radixlm.scheduler.config import SchedulerConfig
         return SchedulerConfig(
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             interleave_chunked_prefill=not self.disable_chunked_prefill_interleave,
+            chunk_cost_keys=None if self.disable_chunk_cost_bound else chunk_cost_keys,
             max_prefill_tokens=self.max_prefill_tokens, page_size=self.page_size,
             schedule_policy=self.schedule_policy, schedule_conservativeness=self.schedule_conservativeness,
             retraction_policy=self.retraction_policy, random_seed=self.random_seed,

@@ -14,6 +14,10 @@ class SchedulerConfig:
     chunked_prefill_size: int | None  # None: no chunking
     # a decode step between the chunks of a long prompt while requests are decoding
     interleave_chunked_prefill: bool = True
+    # ModelConfig.chunk_cost_keys: with it, while requests decode, a chunk over a long cached
+    # prefix is shortened so that it costs no more than chunked_prefill_size tokens without one
+    # (prefill.py, PrefillAdder); None: chunks are chunked_prefill_size tokens whatever the prefix
+    chunk_cost_keys: int | None = None
     max_prefill_tokens: int = 16384
     page_size: int = 1
     schedule_policy: str = "fcfs"  # a SCHEDULE_POLICIES name

@@ -4,10 +4,20 @@ Budgets (semantics §8): the batch's new tokens stay within `max_prefill_tokens`
 contributes at most `chunked_prefill_size` tokens (the rest continues as the chunked request
 next round); the KV needed now plus the decode tokens reserved for running and admitted
 requests must fit in free + evictable slots.
+
+Cost-bounded chunks: a chunk's attention grows with the keys before it, so at a fixed token
+count the chunks of a long prompt get slower one after another (an 8k prompt's last 1,024-token
+chunk costs ~3x its first on the default model), and the decode step after each waits for it.
+With `chunk_cost_keys` = K (a new token's linears cost as much as its attention to K keys), a
+chunk of n tokens over p keys costs n (K + p + n / 2); the batch may spend what C =
+chunked_prefill_size tokens with no prefix would, C (K + C / 2), and a chunk is cut to fit
+(never below MIN_COST_BOUNDED_CHUNK tokens, so a prompt always advances). The scheduler gives
+K only while other requests decode: alone, a prompt runs in full chunks.
 """
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +30,8 @@ CLIP_MAX_NEW_TOKENS = 4096
 # In-batch prefix deduplication: a request whose uncached prefix is shared by at least this
 # many tokens with a request already in the batch waits one round and then hits the cache.
 IN_BATCH_PREFIX_DEDUP_MIN = 32
+# Shortest chunk a cost bound may cut a prompt to (a step has fixed costs of its own).
+MIN_COST_BOUNDED_CHUNK = 64
 
 
 class AddStatus(enum.Enum):
@@ -63,11 +75,15 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 class PrefillAdder:
     def __init__(self, cache: CacheManager, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, max_running: int,
-                 page_size: int = 1, in_batch_dedup: bool = True) -> None:
+                 page_size: int = 1, in_batch_dedup: bool = True, chunk_cost_keys: int | None = None) -> None:
         self.cache = cache
         self.page_size = page_size
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        # The cost bound (module docstring), in token-key units; None: no bound.
+        self.cost_keys = chunk_cost_keys if self.rem_chunk is not None else None
+        self.rem_cost = (self.rem_chunk * (chunk_cost_keys + self.rem_chunk / 2)
+                         if self.cost_keys is not None else None)
         self.slots_left = max_running - len(running)
         self.nothing_running = not running
         self.in_batch_dedup = in_batch_dedup
@@ -85,26 +101,45 @@ class PrefillAdder:
         if self.rem_total() <= 0:
             return AddStatus.NO_TOKEN
         if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0) \
-                or self.slots_left <= 0:
+                or (self.rem_cost is not None and self.rem_cost <= 0) or self.slots_left <= 0:
             return AddStatus.OTHER
         return AddStatus.CONTINUE
 
-    def _chunk_len(self, remaining: int) -> int:
-        if self.rem_chunk is None or remaining <= self.rem_chunk:
+    def _chunk_len(self, remaining: int, prefix: int) -> int:
+        if self.rem_chunk is None:
             return remaining
-        return self.rem_chunk // self.page_size * self.page_size
+        limit = self.rem_chunk
+        if self.rem_cost is not None:
+            limit = min(limit, self._cost_limit(prefix))
+        if remaining <= limit:
+            return remaining
+        return limit // self.page_size * self.page_size
 
-    def _account(self, extend: int, reserve: int) -> None:
+    def _cost_limit(self, prefix: int) -> int:
+        """The most new tokens after `prefix` keys that the cost left pays for: the root of
+        n^2 / 2 + n (K + p) = rem_cost. Never below MIN_COST_BOUNDED_CHUNK (page-rounded up): a
+        batch's first request gets that much, so that a prompt always advances, a later one 0
+        (it waits rather than run a sliver of its prompt)."""
+        b = self.cost_keys + prefix
+        n = int(math.sqrt(b * b + 2 * max(self.rem_cost, 0.0)) - b)
+        floor = -(-MIN_COST_BOUNDED_CHUNK // self.page_size) * self.page_size
+        if n < floor:
+            n = 0 if self.plan.reqs else floor
+        return n
+
+    def _account(self, extend: int, reserve: int, prefix: int) -> None:
         self.rem_input -= extend
         if self.rem_chunk is not None:
             self.rem_chunk -= extend
+        if self.rem_cost is not None:
+            self.rem_cost -= extend * (self.cost_keys + prefix + extend / 2)
         self.offset += extend + reserve
 
     # ------------------------------------------------------------------ chunked request
     def add_chunked_req(self, req: Req) -> AddStatus:
         """Schedule the next chunk of the request in chunked prefill (it already holds a slot)."""
         remaining = len(req.fill_ids) - req.kv_committed_len
-        n = self._chunk_len(remaining)
+        n = self._chunk_len(remaining, req.kv_committed_len)
         budget = self.rem_total()
         if n > budget:
             n = max(budget, 0) // self.page_size * self.page_size
@@ -116,7 +151,7 @@ class PrefillAdder:
             return AddStatus.NO_TOKEN
         last = prefix + n == len(req.fill_ids)
         self.plan.add(req, prefix, n, loc, last)
-        self._account(n, remaining_reservation(req) if last else 0)
+        self._account(n, remaining_reservation(req) if last else 0, prefix)
         self.slots_left -= 1
         return self._budget_status()
 
@@ -157,7 +192,7 @@ class PrefillAdder:
             return AddStatus.NO_TOKEN, False
         if self.plan.reqs and extend > self.rem_input and self.rem_chunk is None:
             return AddStatus.OTHER, False
-        n = self._chunk_len(extend)
+        n = self._chunk_len(extend, prefix)
         if self.plan.reqs and n > self.rem_input:
             n = self.rem_input // self.page_size * self.page_size
         if n <= 0:
@@ -170,7 +205,7 @@ class PrefillAdder:
             return AddStatus.NO_TOKEN, False
         last = n == extend
         self.plan.add(req, prefix, n, loc, last)
-        self._account(n, reserve if last else 0)
+        self._account(n, reserve if last else 0, prefix)
         self.slots_left -= 1
         self._admitted_fills.append(req.fill_ids)
         self.cache.note_admission(req, match)

@@ -331,8 +331,12 @@ class Scheduler:
         if not waiting and chunked is None:
             return None
         cfg = self.config
+        # Chunks are cost-bounded only while requests decode (prefill.py): a decode step follows
+        # each chunk then, and waits for it.
+        bound = cfg.chunk_cost_keys if cfg.interleave_chunked_prefill and self.running else None
         adder = PrefillAdder(self.cache, self.running, self.ratio.value, cfg.max_prefill_tokens,
-                             cfg.chunked_prefill_size, cfg.max_running_requests, cfg.page_size)
+                             cfg.chunked_prefill_size, cfg.max_running_requests, cfg.page_size,
+                             chunk_cost_keys=bound)
         status = AddStatus.CONTINUE
         if chunked is not None:
             status = adder.add_chunked_req(chunked)

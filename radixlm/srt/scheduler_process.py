@@ -67,7 +67,8 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
     cache = CacheManager(prefix, ReqToTokenPool.over(runner.req_to_token),
                          TokenToKVPoolAllocator(sizes.max_total_tokens))
     config = args.scheduler_config(max_running_requests=sizes.max_running_requests,
-                                   chunked_prefill_size=sizes.chunked_prefill_size, device=runner.device)
+                                   chunked_prefill_size=sizes.chunked_prefill_size, device=runner.device,
+                                   chunk_cost_keys=sizes.chunk_cost_keys)
     if config.speculative is not None:
         from radixlm.speculative.setup import check_speculative_runtime
         check_speculative_runtime(runner.attention_backend_name, config.overlap)
