@@ -59,6 +59,23 @@ class PrefillBatchPlan:
             self.new_chunked_req = req
 
 
+@dataclass
+class ChunkCostBudget:
+    """The cost bound of one prefill batch (module docstring), in token-key units."""
+    keys: int  # K: a new token's linears cost its attention to this many keys
+    left: float  # what the batch may still spend
+
+    def of(self, n: int, prefix: int) -> float:
+        """Cost of n new tokens after `prefix` keys."""
+        return n * (self.keys + prefix + n / 2)
+
+    def most_tokens(self, prefix: int) -> int:
+        """The most new tokens after `prefix` keys that `left` pays for (the root of
+        n^2 / 2 + n (K + p) = left)."""
+        b = self.keys + prefix
+        return int(math.sqrt(b * b + 2 * max(self.left, 0.0)) - b)
+
+
 def remaining_reservation(req: Req) -> int:
     sp = req.sampling_params
     return min(max(sp.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
@@ -80,10 +97,8 @@ class PrefillAdder:
         self.page_size = page_size
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        # The cost bound (module docstring), in token-key units; None: no bound.
-        self.cost_keys = chunk_cost_keys if self.rem_chunk is not None else None
-        self.rem_cost = (self.rem_chunk * (chunk_cost_keys + self.rem_chunk / 2)
-                         if self.cost_keys is not None else None)
+        self.cost = (ChunkCostBudget(chunk_cost_keys, self.rem_chunk * (chunk_cost_keys + self.rem_chunk / 2))
+                     if chunk_cost_keys is not None and self.rem_chunk is not None else None)
         self.slots_left = max_running - len(running)
         self.nothing_running = not running
         self.in_batch_dedup = in_batch_dedup
@@ -101,7 +116,7 @@ class PrefillAdder:
         if self.rem_total() <= 0:
             return AddStatus.NO_TOKEN
         if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0) \
-                or (self.rem_cost is not None and self.rem_cost <= 0) or self.slots_left <= 0:
+                or (self.cost is not None and self.cost.left <= 0) or self.slots_left <= 0:
             return AddStatus.OTHER
         return AddStatus.CONTINUE
 
@@ -109,19 +124,17 @@ class PrefillAdder:
         if self.rem_chunk is None:
             return remaining
         limit = self.rem_chunk
-        if self.rem_cost is not None:
-            limit = min(limit, self._cost_limit(prefix))
+        if self.cost is not None:
+            limit = min(limit, self._cost_limit(self.cost, prefix))
         if remaining <= limit:
             return remaining
         return limit // self.page_size * self.page_size
 
-    def _cost_limit(self, prefix: int) -> int:
-        """The most new tokens after `prefix` keys that the cost left pays for: the root of
-        n^2 / 2 + n (K + p) = rem_cost. Never below MIN_COST_BOUNDED_CHUNK (page-rounded up): a
+    def _cost_limit(self, cost: ChunkCostBudget, prefix: int) -> int:
+        """cost.most_tokens(prefix), never below MIN_COST_BOUNDED_CHUNK (page-rounded up): a
         batch's first request gets that much, so that a prompt always advances, a later one 0
         (it waits rather than run a sliver of its prompt)."""
-        b = self.cost_keys + prefix
-        n = int(math.sqrt(b * b + 2 * max(self.rem_cost, 0.0)) - b)
+        n = cost.most_tokens(prefix)
         floor = -(-MIN_COST_BOUNDED_CHUNK // self.page_size) * self.page_size
         if n < floor:
             n = 0 if self.plan.reqs else floor
@@ -131,8 +144,8 @@ class PrefillAdder:
         self.rem_input -= extend
         if self.rem_chunk is not None:
             self.rem_chunk -= extend
-        if self.rem_cost is not None:
-            self.rem_cost -= extend * (self.cost_keys + prefix + extend / 2)
+        if self.cost is not None:
+            self.cost.left -= self.cost.of(extend, prefix)
         self.offset += extend + reserve
 
     # ------------------------------------------------------------------ chunked request
