@@ -1,4 +1,4 @@
-// Prefill (extend) attention over a bf16 KV pool on AVX512-BF16 (Zen 4, Sapphire Rapids and
+// Prefill (extend) attention over a bf16 or int8 KV pool on AVX512-BF16 (Zen 4, Sapphire Rapids and
 // later): each request's new tokens attend causally to its cached prefix and to themselves.
 //
 // Why native: torch's CPU flash attention runs this model's chunk shapes (9 query heads, 3 KV
@@ -15,7 +15,8 @@
 // and P are float32 per 32-key block; P is rounded to bf16 for P @ V (as GPU flash attention
 // does), accumulation is float32, and the online softmax runs once per block and row. Blocks
 // past a row block's causal end are never visited, the prefix needs no mask, and only blocks
-// that cross some row's causal end are masked.
+// that cross some row's causal end are masked. An int8 pool (the int8 KV cache) is dequantized
+// to bf16 while packing, once per key and call, so the rest is the same.
 
 #include <omp.h>
 #include <stdint.h>
@@ -27,6 +28,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "bf16.h"
 #include "decode_tasks.h"
 
 namespace {
@@ -67,30 +69,62 @@ static_assert(kRows <= 16, "the rows' maxima and corrections are one 16-lane vec
 
 int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 
-// Pack keys [k0, k0 + 32) of one request and KV head (slots idx, len keys in all; keys past
-// len are zero) into K tiles and V pairs.
-template <int D>
-void pack_block(const uint16_t* kbuf, const uint16_t* vbuf, int64_t row_stride, const int64_t* idx, int64_t len,
-                int64_t k0, uint32_t* kp, uint32_t* vp) {
+// The KV pool: bf16 rows, or int8 rows with one float32 scale per (slot, KV head) (the int8
+// KV cache), [slots][Hkv][D] either way.
+struct Pool {
+  const void* k;
+  const void* v;
+  const float* k_scale;  // null for a bf16 pool
+  const float* v_scale;
+  int Hkv;
+};
+
+// Element d of a row as bf16: a bf16 pool's own bits; an int8 value times its row's scale in
+// float32, rounded once (what kv_pool.dequantize_kv gives the torch path).
+inline uint32_t bf16_at(const uint16_t* row, int d, float) { return row[d]; }
+inline uint32_t bf16_at(const int8_t* row, int d, float s) { return radixlm::from_f<uint16_t>((float)row[d] * s); }
+
+// Pack keys [k0, k0 + kKeys) of one request and KV head h (slots idx, len keys in all; keys
+// past len are zero) into K tiles and V pairs.
+template <int D, typename T>
+void pack_rows(const T* kbuf, const T* vbuf, const float* k_scale, const float* v_scale, int Hkv, int h,
+               const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp) {
   constexpr int DP = D / 2;
-  const uint32_t* kr[kKeys];
-  const uint16_t* vr[kKeys];
+  const int64_t row_stride = (int64_t)Hkv * D;
+  const T* kr[kKeys];
+  const T* vr[kKeys];
+  float ks[kKeys], vs[kKeys];
   for (int j = 0; j < kKeys; ++j) {
     const bool in = k0 + j < len;
-    kr[j] = in ? (const uint32_t*)(kbuf + idx[k0 + j] * row_stride) : nullptr;
-    vr[j] = in ? vbuf + idx[k0 + j] * row_stride : nullptr;
+    const int64_t slot = in ? idx[k0 + j] : 0;
+    kr[j] = in ? kbuf + slot * row_stride + (int64_t)h * D : nullptr;
+    vr[j] = in ? vbuf + slot * row_stride + (int64_t)h * D : nullptr;
+    ks[j] = k_scale && in ? k_scale[slot * Hkv + h] : 1.f;
+    vs[j] = v_scale && in ? v_scale[slot * Hkv + h] : 1.f;
   }
   for (int t = 0; t < kTiles; ++t)  // K: [tile][DP][16]
-    for (int dp = 0; dp < DP; ++dp)
-      for (int j = 0; j < 16; ++j) {
-        const uint32_t* r = kr[16 * t + j];
-        kp[(t * DP + dp) * 16 + j] = r ? r[dp] : 0u;
-      }
+    for (int j = 0; j < 16; ++j) {
+      const T* r = kr[16 * t + j];
+      const float sc = ks[16 * t + j];
+      for (int dp = 0; dp < DP; ++dp)
+        kp[(t * DP + dp) * 16 + j] = r ? bf16_at(r, 2 * dp, sc) | bf16_at(r, 2 * dp + 1, sc) << 16 : 0u;
+    }
   for (int p = 0; p < kKeys / 2; ++p) {  // V: [pair][D] of (v_2p, v_2p+1)
-    const uint16_t *a = vr[2 * p], *b = vr[2 * p + 1];
+    const T *a = vr[2 * p], *b = vr[2 * p + 1];
+    const float sa = vs[2 * p], sb = vs[2 * p + 1];
     for (int d = 0; d < D; ++d)
-      vp[p * D + d] = (uint32_t)(a ? a[d] : 0) | (uint32_t)(b ? b[d] : 0) << 16;
+      vp[p * D + d] = (a ? bf16_at(a, d, sa) : 0u) | (b ? bf16_at(b, d, sb) : 0u) << 16;
   }
+}
+
+template <int D>
+void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp) {
+  if (pool.k_scale)
+    pack_rows<D>((const int8_t*)pool.k, (const int8_t*)pool.v, pool.k_scale, pool.v_scale, pool.Hkv, h, idx, len, k0,
+                 kp, vp);
+  else
+    pack_rows<D>((const uint16_t*)pool.k, (const uint16_t*)pool.v, nullptr, nullptr, pool.Hkv, h, idx, len, k0, kp,
+                 vp);
 }
 
 // acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
@@ -218,11 +252,10 @@ struct Task {
 };
 
 template <int D>
-void extend_group(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, const uint16_t* vbuf,
-                  const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out,
-                  int64_t out_stride, int b0, int b1, int Hq, int Hkv, float scale, int nthreads) {
-  const int G = Hq / Hkv;
-  const int64_t row_stride = (int64_t)Hkv * D;
+void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const int64_t* q_indptr,
+                  const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int b0,
+                  int b1, int Hq, float scale, int nthreads) {
+  const int Hkv = pool.Hkv, G = Hq / Hkv;
   // Packed K then V per (request, head): padded(len) * D / 2 words each.
   std::vector<int64_t> base(b1 - b0 + 1, 0);
   for (int b = b0; b < b1; ++b)
@@ -254,8 +287,8 @@ void extend_group(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, con
     for (int64_t i = 0; i < npack; ++i) {
       const Task& t = pack[i];
       const int64_t off = kv_indptr[t.b], len = kv_indptr[t.b + 1] - off;
-      pack_block<D>(kbuf + t.h * D, vbuf + t.h * D, row_stride, kv_indices + off, len, t.t0,
-                    kpack(t.b, t.h) + t.t0 * D / 2, vpack(t.b, t.h) + t.t0 * D / 2);
+      pack_block<D>(pool, t.h, kv_indices + off, len, t.t0, kpack(t.b, t.h) + t.t0 * D / 2,
+                    vpack(t.b, t.h) + t.t0 * D / 2);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nwork; ++i) {
@@ -279,10 +312,10 @@ void extend_group(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, con
 }
 
 template <int D>
-void extend_attention(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf, const uint16_t* vbuf,
-                      const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out,
-                      int64_t out_stride, int B, int Hq, int Hkv, float scale, int64_t pack_budget,
-                      int nthreads) {
+void extend_attention(const uint16_t* q, int64_t q_stride, const Pool& pool, const int64_t* q_indptr,
+                      const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int B,
+                      int Hq, float scale, int64_t pack_budget, int nthreads) {
+  const int Hkv = pool.Hkv;
   for (int b0 = 0; b0 < B;) {
     int b1 = b0 + 1;
     int64_t bytes = 4 * Hkv * padded(kv_indptr[b1] - kv_indptr[b0]) * D;
@@ -292,8 +325,8 @@ void extend_attention(const uint16_t* q, int64_t q_stride, const uint16_t* kbuf,
       bytes += more;
       ++b1;
     }
-    extend_group<D>(q, q_stride, kbuf, vbuf, q_indptr, kv_indptr, kv_indices, out, out_stride, b0, b1, Hq, Hkv,
-                    scale, nthreads);
+    extend_group<D>(q, q_stride, pool, q_indptr, kv_indptr, kv_indices, out, out_stride, b0, b1, Hq, scale,
+                    nthreads);
     b0 = b1;
   }
 }
@@ -314,22 +347,23 @@ int radixlm_extend_attention_available() {
 // Request b: query rows q_indptr[b] .. q_indptr[b+1] (its new tokens, in order, the last of
 // them the request's last key), keys kv_indices[kv_indptr[b] .. kv_indptr[b+1]] (pool slots,
 // prefix then new tokens; the new tokens' K/V already stored). q/out rows [Hq][D] at their row
-// strides, kbuf/vbuf [slots][Hkv][D]. Requests are packed and attended in groups whose packed
+// strides, kbuf/vbuf [slots][Hkv][D]: bf16, or int8 when k_scale/v_scale ([slots][Hkv] float32,
+// the int8 KV cache's scales) are given. Requests are packed and attended in groups whose packed
 // K + V fit pack_budget bytes (at least one request per group), so the workspace stays bounded
 // whatever the contexts' lengths. Nonzero return = unsupported (nothing written).
 int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
-                                  const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices,
+                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices,
                                   void* out, int64_t out_stride, int B, int Hq, int Hkv, int D, float scale,
                                   int64_t pack_budget, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (Hkv <= 0 || Hq % Hkv) return -1;
+  if (Hkv <= 0 || Hq % Hkv || !k_scale != !v_scale) return -1;
+  const Pool pool{kbuf, vbuf, k_scale, v_scale, Hkv};
   for (int b = 0; b < B; ++b)
     if (q_indptr[b + 1] - q_indptr[b] > kv_indptr[b + 1] - kv_indptr[b]) return -1;
 #define RADIXLM_EXTEND(DIM)                                                                                  \
   case DIM:                                                                                                  \
-    extend_attention<DIM>((const uint16_t*)q, q_stride, (const uint16_t*)kbuf, (const uint16_t*)vbuf,        \
-                          q_indptr, kv_indptr, kv_indices, (uint16_t*)out, out_stride, B, Hq, Hkv, scale, \
-                          pack_budget, nthreads);                                                            \
+    extend_attention<DIM>((const uint16_t*)q, q_stride, pool, q_indptr, kv_indptr, kv_indices, (uint16_t*)out, \
+                          out_stride, B, Hq, scale, pack_budget, nthreads);                                    \
     return 0;
   switch (D) {
     RADIXLM_EXTEND(32)
@@ -342,7 +376,7 @@ int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* k
   }
 #undef RADIXLM_EXTEND
 #else
-  (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)q_indptr, (void)kv_indptr, (void)kv_indices, (void)out;
+  (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)k_scale, (void)v_scale, (void)q_indptr, (void)kv_indptr, (void)kv_indices, (void)out;
   (void)out_stride, (void)B, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)pack_budget;
   (void)nthreads;
   return -1;

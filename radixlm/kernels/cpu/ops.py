@@ -85,20 +85,32 @@ def extend_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int)
 
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, q_indptr: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
-                     pack_budget_bytes: int = EXTEND_PACK_BUDGET) -> torch.Tensor | None:
+                     pack_budget_bytes: int = EXTEND_PACK_BUDGET, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of each request's new tokens over its cached prefix and themselves.
 
     Request b: query rows q[q_indptr[b]:q_indptr[b+1]] (its new tokens in order), keys
     kv_indices[kv_indptr[b]:kv_indptr[b+1]] (pool slots, prefix then the new tokens, whose K/V
     are already stored), so new token i sees the first len - ext + i + 1 keys. q: bfloat16
     [T, Hq, D] with each token's heads contiguous; k_buf/v_buf bfloat16 [slots, Hkv, D]
-    contiguous; indptrs and indices int64. Requests are done in groups whose packed K/V fit
-    pack_budget_bytes. Returns out [T, Hq, D], None when unsupported.
+    contiguous, or int8 with k_scale/v_scale float32 [slots, Hkv] contiguous (the int8 KV
+    cache: dequantized to bf16 as kv_pool.dequantize_kv does); indptrs and indices int64.
+    Requests are done in groups whose packed K/V fit pack_budget_bytes. Returns out [T, Hq, D],
+    None when unsupported.
     """
     lib = load()
     t, hq, d = q.shape
-    if lib is None or q.dtype != torch.bfloat16 or k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+    if lib is None or q.dtype != torch.bfloat16:
         return None
+    if k_scale is None and v_scale is None:
+        if k_buf.dtype != q.dtype or v_buf.dtype != q.dtype:
+            return None
+    elif k_scale is None or v_scale is None or k_buf.dtype != torch.int8 or v_buf.dtype != torch.int8:
+        return None
+    else:
+        for sc in (k_scale, v_scale):
+            if sc.dtype != torch.float32 or not sc.is_contiguous() or sc.shape != k_buf.shape[:2]:
+                return None
     if q.stride(2) != 1 or q.stride(1) != d or not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         return None
     for ix in (q_indptr, kv_indptr, kv_indices):
@@ -108,7 +120,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     if kv_indptr.numel() != b + 1 or int(q_indptr[-1]) != t:
         return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
-    rc = lib.radixlm_extend_attention_bf16(_ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf), _ptr(q_indptr),
+    rc = lib.radixlm_extend_attention_bf16(_ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf),
+                                           _ptr(k_scale) if k_scale is not None else None,
+                                           _ptr(v_scale) if v_scale is not None else None, _ptr(q_indptr),
                                            _ptr(kv_indptr), _ptr(kv_indices), _ptr(out), out.stride(0), b, hq,
                                            k_buf.shape[1], d, scale, pack_budget_bytes,
                                            torch.get_num_threads())

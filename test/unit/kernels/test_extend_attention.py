@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from radixlm.kernels.cpu import ops
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
-from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, dequantize_kv, quantize_kv
 
 pytestmark = pytest.mark.skipif(not ops.extend_attention_supported(1, 1, 64),
                                 reason="library built without AVX512-BF16 (the kernel's only path)")
@@ -96,6 +96,22 @@ def test_request_groups_under_a_small_pack_budget_give_the_same_output():
         assert torch.equal(ops.extend_attention(*batch, 0.125, pack_budget_bytes=budget), whole)
 
 
+def test_an_int8_pool_attends_as_its_bf16_dequantization_does():
+    """The int8 KV cache's rows are dequantized while packing, exactly as kv_pool.dequantize_kv
+    gives them to the torch path: the output is bit-identical to the kernel over that bf16 pool."""
+    q, k_buf, v_buf, q_indptr, kv_indptr, kv_indices = _batch([0, 300, 20], [150, 77, 1], 9, 3, 64, seed=3)
+    k_buf, v_buf = k_buf.nan_to_num(0.0), v_buf.nan_to_num(0.0)
+    (k8, ks), (v8, vs) = quantize_kv(k_buf), quantize_kv(v_buf)
+    out = ops.extend_attention(q, k8, v8, q_indptr, kv_indptr, kv_indices, 0.125, k_scale=ks, v_scale=vs)
+    deq = ops.extend_attention(q, dequantize_kv(k8, ks, torch.bfloat16), dequantize_kv(v8, vs, torch.bfloat16),
+                               q_indptr, kv_indptr, kv_indices, 0.125)
+    assert out is not None and torch.equal(out, deq)
+    # One scale without the other, or scales of the wrong shape: refused.
+    assert ops.extend_attention(q, k8, v8, q_indptr, kv_indptr, kv_indices, 0.125, k_scale=ks) is None
+    assert ops.extend_attention(q, k8, v8, q_indptr, kv_indptr, kv_indices, 0.125, k_scale=ks[:5],
+                                v_scale=vs[:5]) is None
+
+
 def test_rejects_what_it_cannot_do():
     q, k_buf, v_buf, q_indptr, kv_indptr, kv_indices = _batch([4], [8], 4, 2, 64)
     assert ops.extend_attention(q.float(), k_buf.float(), v_buf.float(), q_indptr, kv_indptr, kv_indices, 1.0) is None
@@ -106,11 +122,15 @@ def test_rejects_what_it_cannot_do():
     assert not ops.extend_attention_supported(4, 2, 80)
 
 
-def test_cpu_backend_prefills_long_extends_on_the_kernel():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_cpu_backend_prefills_long_extends_on_the_kernel(kv_cache_dtype):
     """Chunked prefill through the backend: a 150-token chunk, then a 100-token chunk over it
-    (cached prefix) with a second, fresh request, each against the float64 reference."""
+    (cached prefix) with a second, fresh request, each against the float64 reference over
+    what the pool holds (an int8 pool's dequantized rows)."""
     hq, hkv, d, cap = 9, 3, 64, 1024
-    pool = MHATokenToKVPool(cap, 1, hkv, d, torch.bfloat16, "cpu")
+    if kv_cache_dtype == "int8" and not ops.decode_int8_supported(hq, hkv, d):
+        pytest.skip("no int8 KV kernels in this build")
+    pool = MHATokenToKVPool(cap, 1, hkv, d, torch.bfloat16, "cpu", kv_cache_dtype=kv_cache_dtype)
     backend = create_attention_backend("cpu", pool, hq, hkv, d)
     assert backend.native_extend
     req_to_token = torch.zeros((4, 512), dtype=torch.int64)
@@ -133,10 +153,14 @@ def test_cpu_backend_prefills_long_extends_on_the_kernel():
         backend.init_forward_metadata(fb)
         assert type(fb.attn_metadata).__name__ == "_NativeExtend"
         out = backend.forward(q, k, v, 0, fb, d ** -0.5)
-        k_buf, v_buf = pool.get_kv(0)
-        assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
         lens = [p + e for p, e in zip(prefixes, exts)]
         keys = torch.cat([req_to_token[r, :n_keys] for r, n_keys in zip(rows, lens)])
+        k_buf, v_buf = pool.get_kv(0)
+        if pool.quantized:  # the reference reads what was stored, dequantized as the torch path does
+            k_buf = dequantize_kv(k_buf, pool.k_scale[0], torch.bfloat16)
+            v_buf = dequantize_kv(v_buf, pool.v_scale[0], torch.bfloat16)
+        else:
+            assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
         ref = _reference(q, k_buf, v_buf, torch.tensor([0, *exts]).cumsum(0), torch.tensor([0, *lens]).cumsum(0),
                          keys, d ** -0.5)
         torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

@@ -13,15 +13,16 @@ EXTEND: when every request extends by a few tokens (<= SHORT_EXTEND: chat turns,
 prompts, a batch of small prefills), each new token is a decode-style row over its causal
 keys (its cached prefix and the new tokens up to itself) and the whole batch is one kernel
 call per layer; torch_native's path made one SDPA call per request per layer (~80 us each,
-32 requests x 30 layers per prefill batch). Longer extends over a bf16 pool, on a CPU with
-AVX512-BF16, are one call of the native prefill kernel per layer (extend_attention.cpp: packed
-K/V tiles, causal blocks skipped, the cached prefix read unmasked; 3-4x torch's SDPA at a 2k
-prompt's chunk shapes); elsewhere they take torch_native's SDPA path. The KV store is one C
-call (row copies) instead of two index_copy_.
+32 requests x 30 layers per prefill batch). Longer extends, when the model computes in bf16
+on a CPU with AVX512-BF16, are one call of the native prefill kernel per layer
+(extend_attention.cpp: packed K/V tiles, causal blocks skipped, the cached prefix read
+unmasked; 3-4x torch's SDPA at a 2k prompt's chunk shapes), over a bf16 or an int8 pool (whose
+rows it dequantizes while packing); elsewhere they take torch_native's SDPA path. The KV store
+is one C call (row copies) instead of two index_copy_.
 
 An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
-kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix and long
-extends are dequantized by the pool (gather_kv) for the torch paths.
+kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix (and long
+extends without the prefill kernel) are dequantized by the pool (gather_kv) for the torch paths.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class CpuNativeAttention(TorchNativeAttention):
         else:
             self.native_decode = (cpu_ops.decode_supported(num_heads, num_kv_heads, head_dim)
                                   and kv_pool.dtype in (torch.float32, torch.bfloat16))
-        self.native_extend = (not self.quantized and kv_pool.dtype == torch.bfloat16
+        self.native_extend = (getattr(kv_pool, "compute_dtype", kv_pool.dtype) == torch.bfloat16
                               and cpu_ops.extend_attention_supported(num_heads, num_kv_heads, head_dim))
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -122,8 +123,12 @@ class CpuNativeAttention(TorchNativeAttention):
         meta = fb.attn_metadata
         if isinstance(meta, _NativeExtend):
             self._store(layer_id, k, v, fb.out_cache_loc)
-            k_buf, v_buf = self.kv_pool.get_kv(layer_id)
-            out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale)
+            pool = self.kv_pool
+            k_buf, v_buf = pool.get_kv(layer_id)
+            scales = ({"k_scale": pool.k_scale[layer_id], "v_scale": pool.v_scale[layer_id]}
+                      if self.quantized else {})
+            out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale,
+                                           **scales)
             if out is None:
                 raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
             return out
