@@ -28,7 +28,6 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#include "bf16.h"
 #include "decode_tasks.h"
 
 namespace {
@@ -79,52 +78,60 @@ struct Pool {
   int Hkv;
 };
 
-// Element d of a row as bf16: a bf16 pool's own bits; an int8 value times its row's scale in
-// float32, rounded once (what kv_pool.dequantize_kv gives the torch path).
-inline uint32_t bf16_at(const uint16_t* row, int d, float) { return row[d]; }
-inline uint32_t bf16_at(const int8_t* row, int d, float s) { return radixlm::from_f<uint16_t>((float)row[d] * s); }
-
-// Pack keys [k0, k0 + kKeys) of one request and KV head h (slots idx, len keys in all; keys
-// past len are zero) into K tiles and V pairs.
-template <int D, typename T>
-void pack_rows(const T* kbuf, const T* vbuf, const float* k_scale, const float* v_scale, int Hkv, int h,
-               const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp) {
+// Pack keys [k0, k0 + kKeys) of one request and KV head from their bf16 rows (null: a key past
+// the request's end, packed as zeros) into K tiles and V pairs.
+template <int D>
+void pack_rows(const uint16_t* const* kr, const uint16_t* const* vr, uint32_t* kp, uint32_t* vp) {
   constexpr int DP = D / 2;
-  const int64_t row_stride = (int64_t)Hkv * D;
-  const T* kr[kKeys];
-  const T* vr[kKeys];
-  float ks[kKeys], vs[kKeys];
-  for (int j = 0; j < kKeys; ++j) {
-    const bool in = k0 + j < len;
-    const int64_t slot = in ? idx[k0 + j] : 0;
-    kr[j] = in ? kbuf + slot * row_stride + (int64_t)h * D : nullptr;
-    vr[j] = in ? vbuf + slot * row_stride + (int64_t)h * D : nullptr;
-    ks[j] = k_scale && in ? k_scale[slot * Hkv + h] : 1.f;
-    vs[j] = v_scale && in ? v_scale[slot * Hkv + h] : 1.f;
-  }
   for (int t = 0; t < kTiles; ++t)  // K: [tile][DP][16]
-    for (int j = 0; j < 16; ++j) {
-      const T* r = kr[16 * t + j];
-      const float sc = ks[16 * t + j];
-      for (int dp = 0; dp < DP; ++dp)
-        kp[(t * DP + dp) * 16 + j] = r ? bf16_at(r, 2 * dp, sc) | bf16_at(r, 2 * dp + 1, sc) << 16 : 0u;
-    }
+    for (int dp = 0; dp < DP; ++dp)
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t* r = (const uint32_t*)kr[16 * t + j];
+        kp[(t * DP + dp) * 16 + j] = r ? r[dp] : 0u;
+      }
   for (int p = 0; p < kKeys / 2; ++p) {  // V: [pair][D] of (v_2p, v_2p+1)
-    const T *a = vr[2 * p], *b = vr[2 * p + 1];
-    const float sa = vs[2 * p], sb = vs[2 * p + 1];
+    const uint16_t *a = vr[2 * p], *b = vr[2 * p + 1];
     for (int d = 0; d < D; ++d)
-      vp[p * D + d] = (a ? bf16_at(a, d, sa) : 0u) | (b ? bf16_at(b, d, sb) : 0u) << 16;
+      vp[p * D + d] = (uint32_t)(a ? a[d] : 0) | (uint32_t)(b ? b[d] : 0) << 16;
   }
 }
 
+// An int8 row times its scale in float32, rounded once to bf16: what kv_pool.dequantize_kv
+// gives the torch path.
+template <int D>
+inline void dequant_row(const int8_t* row, float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int d = 0; d < D; d += 16) {
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d))));
+    _mm256_storeu_si256((__m256i*)(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(x, s)));
+  }
+}
+
+// Pack keys [k0, k0 + kKeys) of one request (slots idx, len keys in all) and KV head h; an
+// int8 pool's rows are dequantized to bf16 first.
 template <int D>
 void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp) {
-  if (pool.k_scale)
-    pack_rows<D>((const int8_t*)pool.k, (const int8_t*)pool.v, pool.k_scale, pool.v_scale, pool.Hkv, h, idx, len, k0,
-                 kp, vp);
-  else
-    pack_rows<D>((const uint16_t*)pool.k, (const uint16_t*)pool.v, nullptr, nullptr, pool.Hkv, h, idx, len, k0, kp,
-                 vp);
+  const int64_t row_stride = (int64_t)pool.Hkv * D;
+  const uint16_t* kr[kKeys];
+  const uint16_t* vr[kKeys];
+  alignas(64) uint16_t kd[kKeys][D], vd[kKeys][D];
+  for (int j = 0; j < kKeys; ++j) {
+    if (k0 + j >= len) {
+      kr[j] = vr[j] = nullptr;
+      continue;
+    }
+    const int64_t slot = idx[k0 + j], off = slot * row_stride + (int64_t)h * D;
+    if (pool.k_scale) {
+      dequant_row<D>((const int8_t*)pool.k + off, pool.k_scale[slot * pool.Hkv + h], kd[j]);
+      dequant_row<D>((const int8_t*)pool.v + off, pool.v_scale[slot * pool.Hkv + h], vd[j]);
+      kr[j] = kd[j];
+      vr[j] = vd[j];
+    } else {
+      kr[j] = (const uint16_t*)pool.k + off;
+      vr[j] = (const uint16_t*)pool.v + off;
+    }
+  }
+  pack_rows<D>(kr, vr, kp, vp);
 }
 
 // acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
