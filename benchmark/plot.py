@@ -6,6 +6,7 @@ given) and writes one PNG.
 Panels, each drawn when some file has its data:
   - output tok/s per engine per offline workload (offline_throughput, prefix_sharing, ...);
   - single-stream latency: decode ms/token and TTFT per engine;
+  - prefill (benchmark/prefill.py): prompt tok/s per engine per case (2k, 8k, 8 x 2k);
   - serving: output tok/s vs concurrency per engine, and inter-token / first-token latency
     percentiles (p50, p90, p99) vs concurrency.
 Results from different processors are never mixed in one plot: --isa keeps the files measured
@@ -54,9 +55,22 @@ def serving_runs(result: dict) -> dict[str, list[dict]]:
     return {k: v["runs"] for k, v in engines_of(result).items() if v.get("runs")}
 
 
+def prefill_rows(name: str, result: dict) -> list[tuple[str, dict]]:
+    """One bar group per case of a prefill result: {engine: prompt tok/s}."""
+    rows = []
+    for case, entries in result.items():
+        if not isinstance(entries, dict) or "radixlm" not in entries:
+            continue
+        rows.append((f"{name}: {case}", {radixlm_key(e) if k == "radixlm" else k: e.get("prompt_tok_per_s")
+                                          for k, e in entries.items() if isinstance(e, dict) and "error" not in e}))
+    return rows
+
+
 def classify(result: dict) -> str:
     if "output_token_throughput" in result or result.get("benchmark") == "serving":
         return "serving"
+    if result.get("benchmark") == "prefill":
+        return "prefill"
     ours = result.get("radixlm", {})
     if "decode_ms_per_token" in ours:
         return "latency"
@@ -113,7 +127,7 @@ def main() -> None:
     results = load(args.files or sorted(glob.glob(os.path.join(RESULTS, "*.json"))))
     if isa != "any":
         results = [(n, r) for n, r in results if isa_kind(r.get("machine")) == isa]
-    groups: dict[str, list[tuple[str, dict]]] = {"throughput": [], "latency": [], "serving": []}
+    groups: dict[str, list[tuple[str, dict]]] = {"throughput": [], "latency": [], "prefill": [], "serving": []}
     for name, r in results:
         kind = classify(r)
         if kind in groups:
@@ -123,6 +137,8 @@ def main() -> None:
         panels.append("throughput")
     if groups["latency"]:
         panels.append("latency")
+    if groups["prefill"]:
+        panels.append("prefill")
     if groups["serving"]:
         panels += ["serving_tput", "serving_itl", "serving_ttft"]
     if not panels:
@@ -146,6 +162,9 @@ def main() -> None:
                 rows.append((f"{name}: TTFT ms", {k: (e["ttft_s"] * 1e3 if e.get("ttft_s") is not None else None)
                                                   for k, e in eng.items()}))
             bars(ax, rows, "single stream, ms (lower is better)")
+        elif panel == "prefill":
+            bars(ax, [row for name, r in groups["prefill"] for row in prefill_rows(name, r)],
+                 "prompt tok/s (higher is better)")
         else:
             serving(ax, panel, groups["serving"])
     fig.tight_layout(rect=(0, 0, 1, 0.97))
