@@ -65,6 +65,13 @@ class ChunkCostBudget:
     keys: int  # K: a new token's linears cost its attention to this many keys
     left: float  # what the batch may still spend
 
+    @classmethod
+    def for_chunk(cls, keys: int, chunk: int) -> ChunkCostBudget:
+        """What `chunk` tokens with no prefix cost: the budget of one batch."""
+        budget = cls(keys, 0.0)
+        budget.left = budget.of(chunk, 0)
+        return budget
+
     def of(self, n: int, prefix: int) -> float:
         """Cost of n new tokens after `prefix` keys."""
         return n * (self.keys + prefix + n / 2)
@@ -97,7 +104,7 @@ class PrefillAdder:
         self.page_size = page_size
         self.rem_input = max_prefill_tokens
         self.rem_chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        self.cost = (ChunkCostBudget(chunk_cost_keys, self.rem_chunk * (chunk_cost_keys + self.rem_chunk / 2))
+        self.cost = (ChunkCostBudget.for_chunk(chunk_cost_keys, self.rem_chunk)
                      if chunk_cost_keys is not None and self.rem_chunk is not None else None)
         self.slots_left = max_running - len(running)
         self.nothing_running = not running

@@ -20,7 +20,6 @@
 
 #include <omp.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <algorithm>
 #include <vector>
@@ -67,6 +66,10 @@ inline __m512 exp2_512(__m512 x) {
 static_assert(kRows <= 16, "the rows' maxima and corrections are one 16-lane vector");
 
 int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
+
+// 32-bit words of one request's packed K (or V) for one KV head: its keys padded to a block.
+template <int D>
+int64_t packed_words(int64_t len) { return padded(len) * D / 2; }
 
 // The KV pool: bf16 rows, or int8 rows with one float32 scale per (slot, KV head) (the int8
 // KV cache), [slots][Hkv][D] either way.
@@ -263,15 +266,13 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
                   const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int b0,
                   int b1, int Hq, float scale, int nthreads) {
   const int Hkv = pool.Hkv, G = Hq / Hkv;
-  // Packed K then V per (request, head): padded(len) * D / 2 words each.
+  // Per request: K of each head, then V of each head, packed_words each.
+  auto words = [&](int b) { return packed_words<D>(kv_indptr[b + 1] - kv_indptr[b]); };
   std::vector<int64_t> base(b1 - b0 + 1, 0);
-  for (int b = b0; b < b1; ++b)
-    base[b - b0 + 1] = base[b - b0] + 2 * Hkv * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2;
+  for (int b = b0; b < b1; ++b) base[b - b0 + 1] = base[b - b0] + 2 * Hkv * words(b);
   uint32_t* ws = workspace(base.back());
-  auto kpack = [&](int b, int h) {
-    return ws + base[b - b0] + (int64_t)h * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2;
-  };
-  auto vpack = [&](int b, int h) { return kpack(b, h) + Hkv * padded(kv_indptr[b + 1] - kv_indptr[b]) * D / 2; };
+  auto kpack = [&](int b, int h) { return ws + base[b - b0] + h * words(b); };
+  auto vpack = [&](int b, int h) { return kpack(b, h) + Hkv * words(b); };
 
   std::vector<Task> pack, work;
   for (int b = b0; b < b1; ++b) {
@@ -322,12 +323,13 @@ template <int D>
 void extend_attention(const uint16_t* q, int64_t q_stride, const Pool& pool, const int64_t* q_indptr,
                       const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int B,
                       int Hq, float scale, int64_t pack_budget, int nthreads) {
-  const int Hkv = pool.Hkv;
+  // Packed K and V of request b, in bytes.
+  auto bytes_of = [&](int b) { return 2 * pool.Hkv * packed_words<D>(kv_indptr[b + 1] - kv_indptr[b]) * 4; };
   for (int b0 = 0; b0 < B;) {
     int b1 = b0 + 1;
-    int64_t bytes = 4 * Hkv * padded(kv_indptr[b1] - kv_indptr[b0]) * D;
+    int64_t bytes = bytes_of(b0);
     while (b1 < B) {
-      const int64_t more = 4 * Hkv * padded(kv_indptr[b1 + 1] - kv_indptr[b1]) * D;
+      const int64_t more = bytes_of(b1);
       if (bytes + more > pack_budget) break;
       bytes += more;
       ++b1;
@@ -359,9 +361,10 @@ int radixlm_extend_attention_available() {
 // K + V fit pack_budget bytes (at least one request per group), so the workspace stays bounded
 // whatever the contexts' lengths. Nonzero return = unsupported (nothing written).
 int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
-                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr, const int64_t* kv_indptr, const int64_t* kv_indices,
-                                  void* out, int64_t out_stride, int B, int Hq, int Hkv, int D, float scale,
-                                  int64_t pack_budget, int nthreads) {
+                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr,
+                                  const int64_t* kv_indptr, const int64_t* kv_indices, void* out,
+                                  int64_t out_stride, int B, int Hq, int Hkv, int D, float scale, int64_t pack_budget,
+                                  int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (Hkv <= 0 || Hq % Hkv || !k_scale != !v_scale) return -1;
   const Pool pool{kbuf, vbuf, k_scale, v_scale, Hkv};
@@ -383,9 +386,9 @@ int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* k
   }
 #undef RADIXLM_EXTEND
 #else
-  (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)k_scale, (void)v_scale, (void)q_indptr, (void)kv_indptr, (void)kv_indices, (void)out;
-  (void)out_stride, (void)B, (void)Hq, (void)Hkv, (void)D, (void)scale, (void)pack_budget;
-  (void)nthreads;
+  (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)k_scale, (void)v_scale, (void)q_indptr;
+  (void)kv_indptr, (void)kv_indices, (void)out, (void)out_stride, (void)B, (void)Hq, (void)Hkv, (void)D;
+  (void)scale, (void)pack_budget, (void)nthreads;
   return -1;
 #endif
 }

@@ -70,7 +70,6 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     return out if rc == 0 else None
 
 
-
 EXTEND_HEAD_DIMS = (32, 64, 96, 128, 256)  # the head dims extend_attention.cpp instantiates
 EXTEND_PACK_BUDGET = 64 << 20  # bytes of packed K/V per group of requests (the kernel's workspace)
 
@@ -127,6 +126,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                                            k_buf.shape[1], d, scale, pack_budget_bytes,
                                            torch.get_num_threads())
     return out if rc == 0 else None
+
 
 def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate (neox style) every head of x [T, H, D] in place; cos/sin float32 [max_pos, D/2]

@@ -58,7 +58,7 @@ class RuntimeSizes:
     req_pool_size: int
     chunked_prefill_size: int | None
     max_context_len: int
-    chunk_cost_keys: int | None = None  # ModelConfig.chunk_cost_keys (None without chunking)
+    chunk_cost_keys: int | None = None  # ModelConfig.chunk_cost_keys
 
 
 def resolve_sizes(args: RunnerConfig, cfg: ModelConfig, device: str, dtype: torch.dtype) -> RuntimeSizes:
@@ -78,8 +78,7 @@ def resolve_sizes(args: RunnerConfig, cfg: ModelConfig, device: str, dtype: torc
     else:
         chunk = None if args.chunked_prefill_size == -1 else args.chunked_prefill_size
     # Retracted requests wait without a slot, so running + one chunked request is the most live.
-    return RuntimeSizes(total, max_running, max_running + 2, chunk, context,
-                        cfg.chunk_cost_keys if chunk is not None else None)
+    return RuntimeSizes(total, max_running, max_running + 2, chunk, context, cfg.chunk_cost_keys)
 
 
 def default_attention_backend(device: str, kv_cache_dtype: str = "auto") -> str:

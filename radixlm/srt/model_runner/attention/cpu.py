@@ -121,20 +121,11 @@ class CpuNativeAttention(TorchNativeAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         meta = fb.attn_metadata
-        if isinstance(meta, _NativeExtend):
-            self._store(layer_id, k, v, fb.out_cache_loc)
-            pool = self.kv_pool
-            k_buf, v_buf = pool.get_kv(layer_id)
-            scales = ({"k_scale": pool.k_scale[layer_id], "v_scale": pool.v_scale[layer_id]}
-                      if self.quantized else {})
-            out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale,
-                                           **scales)
-            if out is None:
-                raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
-            return out
-        if not isinstance(meta, _NativeDecode):
+        if not isinstance(meta, (_NativeDecode, _NativeExtend)):
             return super().forward(q, k, v, layer_id, fb, scale)
         self._store(layer_id, k, v, fb.out_cache_loc)
+        if isinstance(meta, _NativeExtend):
+            return self._extend_native(q, layer_id, meta, scale)
         if meta.shared_index is None:
             return self._attend_rows(q, layer_id, meta, scale)
         return self._decode_shared_native(q, layer_id, meta, scale)
@@ -148,6 +139,17 @@ class CpuNativeAttention(TorchNativeAttention):
             stored = cpu_ops.store_kv(k, v, k_buf, v_buf, loc)
         if not stored:
             pool.set_kv(layer_id, loc, k, v)
+
+    def _extend_native(self, q: torch.Tensor, layer_id: int, meta: _NativeExtend, scale: float) -> torch.Tensor:
+        """The prefill kernel over each request's keys (an int8 pool's with its scales)."""
+        pool = self.kv_pool
+        k_buf, v_buf = pool.get_kv(layer_id)
+        scales = {"k_scale": pool.k_scale[layer_id], "v_scale": pool.v_scale[layer_id]} if self.quantized else {}
+        out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale,
+                                       **scales)
+        if out is None:
+            raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
+        return out
 
     def _attend_rows(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode, scale: float,
                      lse: torch.Tensor | None = None) -> torch.Tensor:
