@@ -1,7 +1,8 @@
 """This machine's limits, for docs/roofline.md: the core clock, per-core and all-core peak
 multiply-accumulates per second in each instruction form radixlm's kernels use (fp32 FMA on
 256/512-bit vectors, int8 dots as the AVX2 sign trick or AVX512-VNNI, AVX512-BF16 dots), and
-DRAM read bandwidth with 1 and all threads; then what the GEMMs of a decode step reach
+DRAM read bandwidth with 1 and all threads (streaming, and in the scattered rows a decode batch's
+KV pool is read in); then what the GEMMs of a decode step reach
 against them (torch fp32/bf16, radixlm's int8 and float kernels) at batch 1 and 32, and the
 KV cache's bytes per token of the default model in each KV dtype. Prints JSON.
 
@@ -51,6 +52,9 @@ def build() -> ctypes.CDLL:
     lib.rl_clock.restype = ctypes.c_int64
     lib.rl_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.rl_read.restype = ctypes.c_int64
+    lib.rl_read_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int]
+    lib.rl_read_rows.restype = ctypes.c_int64
     return lib
 
 
@@ -116,6 +120,20 @@ def dram(lib: ctypes.CDLL, repeats: int, cores: int, mib: int) -> dict:
         lib.rl_read(buf.data_ptr(), buf.numel(), th)
         rate = best_rate(lambda: lib.rl_read(buf.data_ptr(), buf.numel(), th), buf.numel() * 8, 0, repeats)
         out[f"read_gb_per_s_{th}threads"] = round(rate / 1e9, 1)
+    # Decode attention reads each request's K/V rows where decode steps put them: one slot per
+    # request per step, so a batch of 32 leaves a request's rows 32 slots apart. 192 B is one
+    # int8 K (or V) row of the default model (3 KV heads x 64), 384 B a bf16 one.
+    reqs = 32
+    rows = {}
+    for row_bytes in (192, 384):
+        per_req = buf.numel() * 8 // (row_bytes * reqs)
+        for run in (1, 16, per_req):
+            name = f"{row_bytes}B_rows_{'contiguous' if run == per_req else f'runs_of_{run}'}"
+            args = (buf.data_ptr(), row_bytes, per_req // run * run, reqs, run, cores)
+            lib.rl_read_rows(*args)
+            rate = best_rate(lambda a=args: lib.rl_read_rows(*a), reqs * (per_req // run * run) * row_bytes, 0, repeats)
+            rows[name] = round(rate / 1e9, 1)
+    out[f"decode_rows_read_gb_per_s_{cores}threads"] = {"requests": reqs, **rows}
     return out
 
 

@@ -163,4 +163,34 @@ int64_t rl_read(const int64_t* p, int64_t n, int nthreads) {
   return total;
 }
 
+// Decode's read pattern: `reqs` requests whose rows (row_bytes each, a multiple of 32) are
+// interleaved in the pool the way one slot per request per decode step leaves them (row j of
+// request r at slot (j / run * reqs + r) * run + j % run), read request by request by
+// nthreads threads. run = 1 is a pool filled by decode steps alone; larger runs are what a
+// paged allocator would give. Returns a checksum; the caller times it.
+int64_t rl_read_rows(const int64_t* p, int64_t row_bytes, int64_t rows_per_req, int64_t reqs, int64_t run,
+                     int nthreads) {
+  int64_t total = 0;
+  const int64_t words = row_bytes / 8;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(+ : total)
+  for (int64_t r = 0; r < reqs; ++r) {
+#if defined(__AVX2__)
+    __m256i s = _mm256_setzero_si256();
+    for (int64_t j = 0; j < rows_per_req; ++j) {
+      const int64_t* row = p + ((j / run * reqs + r) * run + j % run) * words;
+      for (int64_t w = 0; w < words; w += 4) s = _mm256_add_epi64(s, _mm256_loadu_si256((const __m256i*)(row + w)));
+    }
+    int64_t o[4];
+    _mm256_storeu_si256((__m256i*)o, s);
+    total += o[0] + o[1] + o[2] + o[3];
+#else
+    for (int64_t j = 0; j < rows_per_req; ++j) {
+      const int64_t* row = p + ((j / run * reqs + r) * run + j % run) * words;
+      for (int64_t w = 0; w < words; ++w) total += row[w];
+    }
+#endif
+  }
+  return total;
+}
+
 }  // extern "C"

@@ -22,10 +22,17 @@ constexpr int kMaxDim = 256;    // head_dim
 // "No key seen yet" as a finite number: -ffast-math lets the compiler assume no infinities.
 constexpr float kNoMax = -1e30f;
 
-// Prefetch the cache lines of [p, p + bytes) (a KV row) into L1.
+#ifndef RADIXLM_KV_PREFETCH_LOCALITY
+#define RADIXLM_KV_PREFETCH_LOCALITY 1
+#endif
+// Prefetch the cache lines of [p, p + bytes) (a KV row). As prefetcht2 (locality 1), not
+// prefetcht0: the scattered rows of a decode batch then arrive in L2 with more of them in
+// flight, and the demand load takes them from there. int8 pool, batch 32 x 1,024 keys
+// interleaved, 30 layers: 50 -> 39 ms (contiguous rows: 34 either way).
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const uintptr_t a = (uintptr_t)p, end = a + (uintptr_t)bytes;
-  for (uintptr_t line = a & ~(uintptr_t)63; line < end; line += 64) __builtin_prefetch((const void*)line, 0, 3);
+  for (uintptr_t line = a & ~(uintptr_t)63; line < end; line += 64)
+    __builtin_prefetch((const void*)line, 0, RADIXLM_KV_PREFETCH_LOCALITY);
 }
 
 // KV heads per task: the most (dividing Hkv) whose G query heads each fit in one task, so
