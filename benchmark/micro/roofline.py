@@ -114,7 +114,8 @@ def peaks(lib: ctypes.CDLL, seconds: float, repeats: int, cores: int) -> dict:
 
 def dram(lib: ctypes.CDLL, repeats: int, cores: int, mib: int) -> dict:
     import torch
-    buf = torch.ones(mib << 17, dtype=torch.int64)  # mib MiB
+    # Random contents, so that no host that merges identical pages can back the buffer by fewer.
+    buf = torch.randint(0, 1 << 62, (mib << 17,), dtype=torch.int64)  # mib MiB
     out = {"buffer_mib": mib}
     for th in sorted({1, cores}):
         lib.rl_read(buf.data_ptr(), buf.numel(), th)
