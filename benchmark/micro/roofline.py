@@ -130,9 +130,10 @@ def dram(lib: ctypes.CDLL, repeats: int, cores: int, mib: int) -> dict:
         per_req = buf.numel() * 8 // (row_bytes * reqs)
         for run in (1, 16, per_req):
             name = f"{row_bytes}B_rows_{'contiguous' if run == per_req else f'runs_of_{run}'}"
-            args = (buf.data_ptr(), row_bytes, per_req // run * run, reqs, run, cores)
+            rows_read = per_req // run * run
+            args = (buf.data_ptr(), row_bytes, rows_read, reqs, run, cores)
             lib.rl_read_rows(*args)
-            rate = best_rate(lambda a=args: lib.rl_read_rows(*a), reqs * (per_req // run * run) * row_bytes, 0, repeats)
+            rate = best_rate(lambda a=args: lib.rl_read_rows(*a), reqs * rows_read * row_bytes, 0, repeats)
             rows[name] = round(rate / 1e9, 1)
     out[f"decode_rows_read_gb_per_s_{cores}threads"] = {"requests": reqs, **rows}
     return out

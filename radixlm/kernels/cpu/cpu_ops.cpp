@@ -109,15 +109,16 @@ using radixlm::hsum16;
 template <int NC>
 constexpr int pv_tile_bf16() { return NC <= 2 ? 4 : NC == 4 ? 2 : 1; }
 
-// acc[GN][2 * NC] += P @ V over a chunk's n keys (rows idx[0..n) of vbuf, which points at
-// the KV head in slot 0), weights p[g][j] in bf16 (p[g][n] is 0 when n is odd); consecutive keys' value rows are
-// interleaved in 16-bit pairs so one vdpbf16ps adds p_j * v_j + p_j+1 * v_j+1.
 // Keys per softmax step: a chunk's scores first, then one max / exp / sum pass and one rescale
 // of the accumulators per query head, then P @ V of the chunk (kv_int8_ops.cpp's structure).
 // Per 16-key block each query head ran its serial reduce-max -> exp -> reduce-sum chain once
 // per block. Batch 32, 30 layers: 1,024 keys 53 -> 51 ms interleaved, 60 -> 53 contiguous;
 // 200 keys 12.0 ms either way interleaved, 14.0 -> 12.7 contiguous.
 constexpr int kChunkBf16 = 128;
+
+// acc[GN][2 * NC] += P @ V over a chunk's n keys (rows idx[0..n) of vbuf, which points at
+// the KV head in slot 0), weights p[g][j] in bf16 (p[g][n] is 0 when n is odd); consecutive
+// keys' value rows are interleaved in 16-bit pairs so one vdpbf16ps adds p_j * v_j + p_j+1 * v_j+1.
 
 template <int NC, int GN>
 inline void pv_bf16(const uint16_t* vbuf, int64_t row_stride, const int64_t* idx, int n,
@@ -186,9 +187,9 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
     const int nb = (nc + 15) / 16;  // 16-key blocks; keys nc.. of the last are padding
     for (int blk = 0; blk < nb; ++blk) {
       const int64_t b0 = c0 + 16 * blk;
-      const int n = (int)std::min<int64_t>(16, k1 - b0);
+      const int n = std::min(16, nc - 16 * blk);
       prefetch_block(b0 + 32);
-      const __mmask16 valid = (__mmask16)(n == 16 ? 0xFFFFu : ((1u << n) - 1u));
+      const __mmask16 valid = radixlm::valid16(nc, blk);
       const uint16_t* kr[16];
       for (int j = 0; j < 16; ++j) kr[j] = kbuf + idx[b0 + (j < n ? j : 0)] * row_stride;
       for (int g = 0; g < HG; ++g) {
@@ -211,9 +212,8 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
       const __m512 vbm = _mm512_set1_ps(bm);
       __m512 sum = _mm512_setzero_ps();
       for (int blk = 0; blk < nb; ++blk) {
-        const int left = nc - 16 * blk;
-        const __mmask16 valid = (__mmask16)(left >= 16 ? 0xFFFFu : ((1u << left) - 1u));
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * blk), vbm)));
+        const __m512 p = _mm512_maskz_mov_ps(radixlm::valid16(nc, blk),
+                                             exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * blk), vbm)));
         sum = _mm512_add_ps(sum, p);
         _mm256_store_si256((__m256i*)(pbh[g] + 16 * blk), (__m256i)_mm512_cvtneps_pbh(p));
       }

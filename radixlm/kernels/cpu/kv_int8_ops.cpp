@@ -203,8 +203,7 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
           for (int c = 0; c < NC; ++c)
             a[j] = _mm512_dpbusd_epi32(a[j], _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * c), flip), qv[g][c]);
         }
-        const int left = nc - 16 * blk;
-        const __mmask16 valid = (__mmask16)(left >= 16 ? 0xFFFFu : ((1u << left) - 1u));
+        const __mmask16 valid = radixlm::valid16(nc, blk);
         const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16i(a), qc)), qs),
                                        _mm512_load_ps(sk[h] + 16 * blk));
         const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), valid, s);
@@ -218,8 +217,7 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
       for (int blk = 0; blk < nb; ++blk) {
         const __m512 p = radixlm::exp512(_mm512_sub_ps(_mm512_load_ps(sc[g] + 16 * blk), vbm));
         const __m512 pv = _mm512_mul_ps(p, _mm512_load_ps(sv[h] + 16 * blk));  // 0 for padding
-        sum = _mm512_add_ps(sum, _mm512_mask_mov_ps(_mm512_setzero_ps(), blk * 16 + 16 <= nc
-                                                        ? (__mmask16)0xFFFFu : (__mmask16)((1u << (nc - blk * 16)) - 1u), p));
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(radixlm::valid16(nc, blk), p));
         _mm512_store_ps(sc[g] + 16 * blk, pv);
       }
       l[g] = l[g] * corr + _mm512_reduce_add_ps(sum);
