@@ -25,8 +25,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
+    """The default GGUF, or RADIXLM_TEST_MODEL_PATH where the package cannot be installed (a
+    lent GPU machine has no registry: test/gpu/device_stage.sh)."""
     from radixlm.srt.weights.loader import default_model_path as find
 
+    if os.environ.get("RADIXLM_TEST_MODEL_PATH"):
+        return os.environ["RADIXLM_TEST_MODEL_PATH"]
     try:
         return find()
     except FileNotFoundError as e:

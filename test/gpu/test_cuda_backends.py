@@ -13,7 +13,8 @@ import torch
 from radixlm.kernels.indices import build_indptr
 from radixlm.kernels.reference import decode_attention_ref, extend_attention_ref
 from radixlm.srt.model_runner.forward_batch import ForwardMode
-from test.support.gpu_harness import CudaModelHarness, KVWorld, make_backend
+from test.support.gpu_harness import KVWorld, make_backend
+from test.support.model_harness import ModelHarness
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -145,13 +146,13 @@ def _tiny_model(tmp_path, dtype):
 def _teacher_forced(model, backend, dtype, prompts, steps, forced=None):
     """Logits of each step; decode inputs are `forced` tokens when given (so both backends
     see identical inputs), else the backend's own greedy picks."""
-    h = CudaModelHarness(model, backend, dtype)
+    h = ModelHarness(model, dtype, backend=backend, device="cuda")
     rows = [h.new_request() for _ in prompts]
     toks = [int(x[-1].argmax()) for x in h.extend(rows, prompts)]
     seq, logits = [toks], []
     for i in range(steps):
         inputs = forced[i] if forced is not None else toks
-        lg = h.decode(rows, inputs)
+        lg = h.decode(rows, inputs).float()
         logits.append(lg)
         toks = lg.argmax(-1).tolist()
         seq.append(toks)

@@ -3,14 +3,12 @@
 `KVWorld` plays the scheduler's part for one attention layer: it owns a KV pool, a
 request-to-token table and a free list, and builds ForwardBatch objects for
 extend/decode steps, so backends can be driven directly with random q/k/v.
-`CudaModelHarness` does the same for a whole model (like model_harness.ModelHarness,
-which is CPU-only).
+For a whole model, model_harness.ModelHarness(..., device="cuda").
 """
 from __future__ import annotations
 
 import torch
 
-from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
@@ -49,51 +47,6 @@ class KVWorld:
         k = torch.randn(fb.num_tokens, num_kv_heads, head_dim, device=self.device, generator=gen)
         v = torch.randn(fb.num_tokens, num_kv_heads, head_dim, device=self.device, generator=gen)
         self.pool.set_kv(0, fb.out_cache_loc, k, v)
-
-
-class CudaModelHarness:
-    """Model + KV pool + backend on CUDA; extend/decode return logits (no scheduler)."""
-
-    def __init__(self, model, backend: str, dtype: torch.dtype, capacity: int = 4096,
-                 max_reqs: int = 16, max_context: int = 2048) -> None:
-        cfg = model.config
-        self.model = model
-        self.kv_pool = MHATokenToKVPool(capacity, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                        cfg.head_dim, dtype, "cuda")
-        self.allocator = TokenToKVPoolAllocator(capacity)
-        self.req_pool = ReqToTokenPool(max_reqs, max_context, "cuda")
-        self.attn = create_attention_backend(backend, self.kv_pool, cfg.num_attention_heads,
-                                             cfg.num_key_value_heads, cfg.head_dim)
-        self.lens: dict[int, int] = {}
-
-    def new_request(self) -> int:
-        row = self.req_pool.alloc()
-        assert row is not None
-        self.lens[row] = 0
-        return row
-
-    def _run(self, mode: ForwardMode, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
-        lens = [len(c) for c in chunks]
-        loc = self.allocator.alloc(sum(lens))
-        assert loc is not None
-        loc = loc.cuda()
-        prefix = [self.lens[r] for r in rows]
-        start = 0
-        for r, p, n in zip(rows, prefix, lens):
-            self.req_pool.req_to_token[r, p:p + n] = loc[start:start + n]
-            self.lens[r] = p + n
-            start += n
-        fb = ForwardBatch.build(mode, [t for c in chunks for t in c], loc, rows, prefix, lens,
-                                self.req_pool.req_to_token, "cuda")
-        with torch.inference_mode():
-            self.attn.init_forward_metadata(fb)
-            return self.model.compute_logits(self.model(fb, self.attn)).float()
-
-    def extend(self, rows: list[int], chunks: list[list[int]]) -> list[torch.Tensor]:
-        return list(self._run(ForwardMode.EXTEND, rows, chunks).split([len(c) for c in chunks]))
-
-    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
-        return self._run(ForwardMode.DECODE, rows, [[t] for t in tokens])
 
 
 def make_backend(name: str, world: KVWorld, num_heads: int, num_kv_heads: int, head_dim: int):
