@@ -74,11 +74,12 @@ def hf_generate(model, prompts: list[list[int]], output_len: int, batch_size: in
     return outputs
 
 
-def emit(result: dict, out_path: str | None) -> None:
-    """Print the JSON; with out_path also write it (with the machine description)."""
+def emit(result: dict, out_path: str | None, quiet: bool = False) -> None:
+    """Print the JSON (unless quiet); with out_path also write it (with the machine description)."""
     result.setdefault("machine", machine_info())
     text = json.dumps(result, indent=2)
-    print(text)
+    if not quiet:
+        print(text)
     if out_path:
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
         with open(out_path, "w") as f:

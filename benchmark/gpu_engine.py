@@ -30,7 +30,7 @@ NEEDS = {"triton": "triton", "flashinfer": "flashinfer"}  # backend -> module it
 
 
 def run_config(model_path: str | None, device: str, dtype: str, backend: str, overlap: bool,
-               prompts: dict[int, list], output_len: int) -> dict:
+               prompts: dict[int, list], output_len: int, max_running: int | None = None) -> dict:
     from radixlm import Engine
 
     row: dict = {"dtype": dtype, "backend": backend, "overlap": overlap}
@@ -38,7 +38,7 @@ def run_config(model_path: str | None, device: str, dtype: str, backend: str, ov
     try:
         engine = Engine(model_path=model_path, device=device, dtype=dtype, attention_backend=backend,
                         enable_overlap_schedule=overlap, disable_overlap_schedule=not overlap,
-                        max_running_requests=max(prompts))
+                        max_running_requests=max_running or max(prompts))
     except Exception as e:  # one broken configuration must not hide the others' results
         row["error"] = f"start: {type(e).__name__}: {str(e)[-2000:]}"
         return row
@@ -47,6 +47,8 @@ def run_config(model_path: str | None, device: str, dtype: str, backend: str, ov
         check = prompts[CHECK_PROMPTS][:CHECK_PROMPTS]
         outs = engine.generate(input_ids=check, sampling_params={"max_new_tokens": CHECK_TOKENS, "temperature": 0.0})
         row["check_outputs"] = [o["output_ids"] for o in outs]
+        reasons = [str((o.get("meta_info") or {}).get("finish_reason", {}).get("type")) for o in outs]
+        row["check_finish_reasons"] = {k: reasons.count(k) for k in sorted(set(reasons))}
         params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
         row["batches"] = {}
         for b, batch in sorted(prompts.items()):
@@ -68,22 +70,32 @@ def run_config(model_path: str | None, device: str, dtype: str, backend: str, ov
 
 
 def agreement(rows: list[dict]) -> list[dict]:
+    """Each run's check outputs against its dtype's reference (torch_native with overlap off,
+    else the first run that finished), and each backend's overlap-on run against its
+    overlap-off run."""
     out = []
-    for dtype in sorted({r["dtype"] for r in rows}):
-        ref = next((r for r in rows if r["dtype"] == dtype and r["backend"] == "torch_native"
-                    and not r["overlap"] and "check_outputs" in r), None)
-        if ref is None:
-            continue
-        for r in rows:
-            if r["dtype"] != dtype or "check_outputs" not in r:
-                continue
-            same = sum(a == b for a, b in zip(r["check_outputs"], ref["check_outputs"]))
-            prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                      for a, b in zip(r["check_outputs"], ref["check_outputs"])]
-            out.append({"dtype": dtype, "backend": r["backend"], "overlap": r["overlap"],
-                        "identical_outputs": f"{same}/{len(ref['check_outputs'])}",
-                        "min_common_prefix_tokens": min(prefix)})
+    done = [r for r in rows if "check_outputs" in r and "error" not in r]
+    for dtype in sorted({r["dtype"] for r in done}):
+        runs = [r for r in done if r["dtype"] == dtype]
+        ref = next((r for r in runs if r["backend"] == "torch_native" and not r["overlap"]), runs[0])
+        for r in runs:
+            pair = next((o for o in runs if o["backend"] == r["backend"] and not o["overlap"]), None)
+            row = {"dtype": dtype, "backend": r["backend"], "overlap": r["overlap"],
+                   "reference": f"{ref['backend']} overlap={ref['overlap']}", **_compare(r, ref)}
+            if r["overlap"] and pair is not None:
+                row["vs_overlap_off"] = _compare(r, pair)["identical_outputs"]
+            out.append(row)
     return out
+
+
+def _compare(run: dict, ref: dict) -> dict:
+    a_all, b_all = run["check_outputs"], ref["check_outputs"]
+    same = sum(a == b for a, b in zip(a_all, b_all))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)) if len(a) != len(b)
+                       else None) for a, b in zip(a_all, b_all)]
+    diverged = [i for i in first_diff if i is not None]
+    return {"identical_outputs": f"{same}/{len(b_all)}",
+            "earliest_divergence_token": min(diverged) if diverged else None}
 
 
 def main() -> None:
@@ -93,6 +105,7 @@ def main() -> None:
     ap.add_argument("--backends", default="torch_native,triton,flashinfer")
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-running-requests", type=int, default=None, help="default: the largest batch")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (tiny settings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -116,8 +129,13 @@ def main() -> None:
             if backend in skipped or (backend == "flashinfer" and dtype == "float32"):
                 continue  # flashinfer's kernels are fp16/bf16 only
             for overlap in (False, True):
-                rows.append(run_config(args.model_path, args.device, dtype, backend, overlap, prompts, args.output_len))
+                rows.append(run_config(args.model_path, args.device, dtype, backend, overlap, prompts, args.output_len,
+                                       args.max_running_requests))
                 r = rows[-1]
+                if args.out:  # what finished survives a run cut short by its time limit
+                    emit({"benchmark": "gpu_engine", "partial": True, "agreement": agreement(rows),
+                          "runs": [{k: v for k, v in x.items() if k != "check_outputs"} for x in rows]},
+                         args.out, quiet=True)
                 print(f"{dtype} {backend} overlap={overlap}: {r.get('error') or r['batches']} "
                       f"idle={r.get('info', {}).get('forward_idle_fraction')}", file=sys.stderr, flush=True)
     result = {"benchmark": "gpu_engine", "model_path": model_path, "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",

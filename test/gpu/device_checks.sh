@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a lent CUDA machine should run (the `device` tool), in stages that fit its calls:
-#   source test/gpu/device_stage.sh; bash test/gpu/device_checks.sh [kernels|model|all]
+#   source test/gpu/device_stage.sh; bash test/gpu/device_checks.sh [kernels|model|all|engine]
 # Results under $OUT (default /tmp/radixlm_gpu):
 #   env.txt               what the machine has (GPU, torch, triton, flashinfer, the model)
 #   kernels               pytest of the Triton kernels and the backends vs torch_native on random
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/radixlm_gpu}
 WHAT=${1:-all}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # benchmark/ scripts import radixlm
 MODEL=${RADIXLM_TEST_MODEL_PATH:-}
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
@@ -47,6 +47,14 @@ if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
     timeout 180 python3 -m pytest -q -rs -p no:cacheprovider test/gpu/test_cuda_backends.py \
         -k "kernels_match or kv_ops or backends_match" 2>&1 | tail -40 | tee "$OUT/pytest_kernels.txt"
     timeout 60 python3 -m test.gpu.bench_attention --iters 10 --json "$OUT/bench_attention.json" 2>&1 | tail -30
+fi
+if [ "$WHAT" = engine ]; then  # a second look after fixes: the Engine matrix first, then the model tests
+    timeout 200 python3 benchmark/gpu_engine.py ${MODEL:+--model-path "$MODEL"} --output-len 64 \
+        --out "$OUT/gpu_engine.json" 2>&1 | grep -v -E 'generate:|^ |^\{|^\}' | tail -30
+    timeout 70 python3 -m pytest -q -rs -p no:cacheprovider test/gpu/test_cuda_backends.py -k real_model 2>&1 \
+        | tail -30 | tee "$OUT/pytest_model.txt"
+    timeout 50 python3 benchmark/overlap.py --device cuda ${MODEL:+--model-path "$MODEL"} --num 64 --output-len 64 \
+        --out "$OUT/overlap_cuda.json" 2>&1 | tail -8
 fi
 if [ "$WHAT" = model ] || [ "$WHAT" = all ]; then
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider test/gpu \

@@ -6,6 +6,7 @@ Skipped without CUDA (conftest.py); triton/flashinfer parts skip without the pac
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -176,7 +177,11 @@ def test_model_greedy_matches_torch_native(tmp_path, dtype):
 
 
 def test_real_model_greedy_matches_torch_native(default_model_path):
-    """The default model (SmolLM2-135M GGUF when present): 16 greedy tokens per backend."""
+    """The default model (SmolLM2-135M GGUF when present): 16 greedy tokens per backend,
+    teacher-forced on torch_native's picks. float32: the same picks and logits within 1e-2.
+    bf16: 30 layers of bf16 rounding in other summation orders move logits by more than one
+    bf16 step of their size (0.125 at 16-32), so the picks are compared: at least 90% equal,
+    and no logit off by more than 2."""
     from radixlm.srt.models.registry import load_model
     from radixlm.srt.weights.loader import load_model_config
 
@@ -188,8 +193,14 @@ def test_real_model_greedy_matches_torch_native(default_model_path):
         ref_seq, ref_logits = _teacher_forced(model, "torch_native", dtype, prompts, 16)
         for name in names:
             seq, logits = _teacher_forced(model, name, dtype, prompts, 16, forced=ref_seq)
-            for a, b in zip(logits, ref_logits):
-                torch.testing.assert_close(a, b, atol=0.5 if dtype != torch.float32 else 1e-2, rtol=0.05,
-                                           msg=f"{name} {dtype}")
             if dtype == torch.float32:
+                for a, b in zip(logits, ref_logits):
+                    torch.testing.assert_close(a, b, atol=1e-2, rtol=0.05, msg=name)
                 assert seq == ref_seq, name
+                continue
+            worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+            picks = [x == y for s, r in zip(seq, ref_seq) for x, y in zip(s, r)]
+            agree = sum(picks) / len(picks)
+            warnings.warn(f"{name} bf16 vs torch_native: top-1 agreement {agree:.3f}, max |dlogit| {worst:.3f}",
+                          stacklevel=1)  # the numbers reach the device log (warnings summary)
+            assert agree >= 0.9 and worst <= 2.0, f"{name} bf16: top-1 agreement {agree:.3f}, max |dlogit| {worst:.3f}"

@@ -2,6 +2,8 @@
 its output in a log file, stopped by its own pid with a check that nothing it started is left."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import contextlib
 import json
 import os
@@ -12,7 +14,9 @@ import sys
 import time
 
 import httpx
-import openai
+
+if TYPE_CHECKING:
+    import openai
 
 SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "8192", "--served-model-name", "tiny_llama")
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -70,6 +74,8 @@ class ServerProcess:
         return httpx.get(self.base + "/get_server_info", timeout=10.0).json()
 
     def openai(self) -> openai.OpenAI:
+        import openai  # imported on use: tp_checks needs free_port only, where openai is absent (test/gpu)
+
         return openai.OpenAI(base_url=self.base + "/v1", api_key="x", max_retries=0, timeout=60.0)
 
     def stop(self, timeout: float = 15.0) -> tuple[int, float]:

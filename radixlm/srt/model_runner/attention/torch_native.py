@@ -151,6 +151,17 @@ class TorchNativeAttention(AttentionBackend):
         else:
             fb.attn_metadata = self._extend_metadata(fb)
 
+    @staticmethod
+    def _pool_rows(fb: ForwardBatch, positions: list[int] | None = None) -> torch.Tensor:
+        """The pool rows of the batch's requests (or of those at batch `positions`) as an index
+        into req_to_token, on the table's device. The runner keeps the table on the host and
+        the batch's vectors on the compute device: the rows come from the batch's host copy,
+        so the device is never waited for."""
+        rows = fb.req_pool_indices_cpu
+        if positions is not None:
+            rows = [rows[i] for i in positions]
+        return torch.tensor(rows, dtype=torch.int64, device=fb.req_to_token.device)
+
     def _shared_prefix_len(self, fb: ForwardBatch, limit: int) -> int:
         """Length (<= limit) of the KV-slot prefix common to every request of the batch, or
         0 if below min_shared_prefix. The radix cache hands requests with a common token
@@ -159,36 +170,38 @@ class TorchNativeAttention(AttentionBackend):
             return 0  # a device table would need a sync here; not worth it
         if limit < self.min_shared_prefix:
             return 0
-        table = fb.req_to_token.index_select(0, fb.req_pool_indices)[:, :limit]
+        table = fb.req_to_token.index_select(0, self._pool_rows(fb))[:, :limit]
         same = (table == table[:1]).all(0)
         # Leading run of True; argmin finds the first False (0 if the run covers all).
         p = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
         return p if p >= self.min_shared_prefix else 0
 
-    def _shared_metadata(self, fb: ForwardBatch, shared: int, rows: torch.Tensor,
+    def _shared_metadata(self, fb: ForwardBatch, shared: int, positions: list[int] | None,
                          lens: list[int]) -> _DecodeMetadata:
-        """Single-query attention rows (row r: pool row rows[r], keys [0, lens[r])) whose
-        first `shared` keys are common: one group over the suffixes + the shared slots."""
+        """Single-query attention rows (row r: the request at batch position positions[r], or
+        r when None, keys [0, lens[r])) whose first `shared` keys are common: one group over
+        the suffixes + the shared slots."""
         device = fb.req_pool_indices.device
         suffix = [n - shared for n in lens]
         max_len = max(suffix)
-        kv_index = fb.req_to_token.index_select(0, rows)[:, shared:shared + max_len]
+        pool_rows = self._pool_rows(fb, positions)
+        kv_index = fb.req_to_token.index_select(0, pool_rows)[:, shared:shared + max_len].to(device)
         mask = None
         if min(suffix) != max_len:
             lens_t = torch.tensor(suffix, dtype=torch.int64, device=device)
             valid = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]
             kv_index = kv_index.masked_fill(~valid, 0)  # slot 0 is finite (see _decode_metadata)
             mask = valid.view(-1, 1, 1, max_len)
-        row0 = fb.req_to_token[int(fb.req_pool_indices[0])]
+        row0 = fb.req_to_token[fb.req_pool_indices_cpu[0]]
         group = _DecodeGroup(None, kv_index.reshape(-1), len(lens), max_len, mask)
-        return _DecodeMetadata([group], row0[:shared].clone())
+        return _DecodeMetadata([group], row0[:shared].to(device, copy=True))
 
     def _decode_metadata(self, fb: ForwardBatch) -> _DecodeMetadata:
         lens = fb.seq_lens_cpu
         # Each request's newest slot is its own: the shared part is shorter than every row.
         shared = self._shared_prefix_len(fb, min(lens) - 1)
         if shared:
-            return self._shared_metadata(fb, shared, fb.req_pool_indices, lens)
+            return self._shared_metadata(fb, shared, None, lens)
         plan = plan_decode_groups(lens, self.call_cost_keys, self.max_group_keys) if len(lens) > 1 else []
         if len(plan) <= 1:
             plan = [list(range(len(lens)))]  # one group: keep batch order, no q/out shuffling
@@ -198,8 +211,8 @@ class TorchNativeAttention(AttentionBackend):
             g_lens = [lens[i] for i in members]
             max_len = max(g_lens)
             rows = None if len(plan) == 1 else torch.tensor(members, dtype=torch.int64, device=device)
-            pool_rows = fb.req_pool_indices if rows is None else fb.req_pool_indices.index_select(0, rows)
-            kv_index = fb.req_to_token.index_select(0, pool_rows)[:, :max_len]
+            pool_rows = self._pool_rows(fb, None if rows is None else members)
+            kv_index = fb.req_to_token.index_select(0, pool_rows)[:, :max_len].to(device)
             mask = None
             if min(g_lens) != max_len:
                 lens_t = torch.tensor(g_lens, dtype=torch.int64, device=device)
@@ -228,18 +241,16 @@ class TorchNativeAttention(AttentionBackend):
                     for i, (p, e) in enumerate(zip(prefixes, fb.extend_seq_lens_cpu)):
                         lens.extend(range(p + 1, p + e + 1))
                         owner.extend([i] * e)
-                    rows = fb.req_pool_indices.index_select(
-                        0, torch.tensor(owner, dtype=torch.int64, device=fb.req_pool_indices.device))
-                    return self._shared_metadata(fb, shared, rows, lens)
+                    return self._shared_metadata(fb, shared, owner, lens)
         reqs: list[_ExtendReq] = []
-        rows = fb.req_pool_indices.tolist()
+        rows = fb.req_pool_indices_cpu
         start = 0
         device = fb.input_ids.device
         for row, prefix, ext in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             kv_index = mask = None
             if prefix > 0:
                 seq_len = prefix + ext
-                kv_index = fb.req_to_token[row, :seq_len]
+                kv_index = fb.req_to_token[row, :seq_len].to(device)
                 q_pos = torch.arange(prefix, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             reqs.append(_ExtendReq(start, ext, prefix, kv_index, mask))
