@@ -20,6 +20,10 @@ HTTP client library would measure itself (httpx adds 1-1.5 ms p50 and 3-4 ms p99
 on these cores, unloaded, over the server's 0.3-0.5 ms p50).
 - kv_release_ms: until the scheduler returned the request's KV (`recent_cancels`, recorded
   where the release happens, after every batch holding the request resolved).
+- kv_step: whether that was the end of the step in progress: `launched_before_abort` counts the
+  aborts whose last batch holding the request was launched before the abort call (so no step
+  started after the abort held its KV), and `after_last_launch_ms` is the time from that batch's
+  launch to the release, the length of the step that held it (compare with `step_ms`).
 The decode step length (`step_ms`, median time between a stream's chunks) is reported next
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
 Percentiles are nearest-rank (the p99 of 300 samples is the 297th smallest); `--aborts 300`
@@ -74,14 +78,25 @@ def front_end_accepted(info: dict, t0: dict[str, float]) -> list[float]:
     return [accepted[r] - t for r, t in t0.items() if r in accepted]
 
 
-def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
-    """release wall time - abort time, for the rids of `t0` (scheduler rids are rid#n)."""
-    out = []
-    for sched_rid, _sent, released in info.get("recent_cancels", []):  # (absent before issue 17)
+def _cancels(info: dict, t0: dict[str, float]):
+    """(abort time, KV release, last launch holding it) of the rids of `t0` (scheduler rids are rid#n)."""
+    for sched_rid, _sent, released, *rest in info.get("recent_cancels", []):  # (absent before issue 17)
         rid = sched_rid.rsplit("#", 1)[0]
         if rid in t0:
-            out.append(released - t0[rid])
-    return out
+            yield t0[rid], released, (rest[0] if rest else None)
+
+
+def kv_release(info: dict, t0: dict[str, float]) -> list[float]:
+    """release wall time - abort time."""
+    return [released - sent for sent, released, _ in _cancels(info, t0)]
+
+
+def kv_step(info: dict, t0: dict[str, float]) -> dict:
+    """Was the KV back at the end of the step in progress when the abort came?"""
+    rows = [(sent, released, launch) for sent, released, launch in _cancels(info, t0) if launch is not None]
+    late = [launch - sent for sent, _, launch in rows if launch > sent]
+    return {"n": len(rows), "launched_before_abort": len(rows) - len(late),
+            "launched_after_abort_ms": pct(late), "after_last_launch_ms": pct([r - lt for _, r, lt in rows])}
 
 
 # ---------------------------------------------------------------------------- Engine
@@ -141,6 +156,7 @@ def run_engine(args, overlap: bool) -> dict:
         released = kv_release(info, t0)
         return {"engine_abort": {"answer_ms": pct(answer), "front_end_accepted_ms": pct(front_end_accepted(info, t0)),
                                  "kv_release_ms": pct(released), "kv_release_slowest": slowest(released),
+                                 "kv_step": kv_step(info, t0),
                                  "scheduler_gc": info.get("gc")},
                 "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
 
@@ -305,7 +321,8 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
     accepted = front_end_accepted(info, t0)
-    common = {"kv_release_ms": pct(kv_release(info, t0)), "scheduler_gc": info.get("gc")}
+    common = {"kv_release_ms": pct(kv_release(info, t0)), "kv_step": kv_step(info, t0),
+              "scheduler_gc": info.get("gc")}
     if entry == "http_disconnect":
         return {"answer_ms": pct(accepted), **common}
     # the answer's hops: the server accepted the abort, the POST's reply reached the client, the

@@ -105,6 +105,9 @@ class Req:
     created_time: float = field(default_factory=time.perf_counter)
     admit_time: float | None = None  # first admission (running-timeout clock)
     abort_sent_time: float | None = None  # wall time of the abort call, for cancel latency
+    # wall time the latest batch holding this request was launched: an abort's KV comes back when
+    # the step in progress ends if that batch was launched before the abort (cancel latency)
+    last_launch_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     # Token count of output already delivered to the caller (streaming).

@@ -82,6 +82,7 @@ class InFlight:
     future: Future[LaunchedForward]
     timer: ForwardTimer
     _result: BatchResult | None = None
+    launched_at: float = 0.0  # wall time the scheduler handed it to the worker
 
     def result(self) -> BatchResult:
         """Wait until the batch is launched and its result copied to the host."""

@@ -238,12 +238,14 @@ class Scheduler:
             return
         if abort_watch.watch(self.inbox, running, queued):
             self.in_flight = None
-            self._take_back(queued.batch)
+            self._take_back(queued.batch, running)
 
-    def _take_back(self, batch: WorkerBatch) -> None:
+    def _take_back(self, batch: WorkerBatch, running: InFlight) -> None:
         """Undo `_launch` and `decode_batch` for a decode batch that never ran: its requests
         are as they were before it was built (one uncommitted decode slot fewer each)."""
+        in_running = {id(r) for r in running.batch.reqs}
         for req in batch.reqs:
+            req.last_launch_time = running.launched_at if id(req) in in_running else None
             req.inflight -= 1
             req.pending_tokens -= 1
             self.cache.rollback(req, 1)
@@ -291,11 +293,15 @@ class Scheduler:
             self._flush_outputs()
 
     def _launch(self, batch: WorkerBatch) -> InFlight:
+        now = time.time()
         for req, samples in zip(batch.reqs, batch.sample, strict=True):
+            req.last_launch_time = now
             req.inflight += 1
             if samples:
                 req.pending_tokens += 1
-        return self.worker.submit(batch)
+        launched = self.worker.submit(batch)
+        launched.launched_at = now
+        return launched
 
     def _end_step(self) -> None:
         self.stats.num_steps += 1
@@ -511,7 +517,7 @@ class Scheduler:
         """A finished request's KV is back: the cancel latency (abort call -> KV returned)."""
         reason = req.finish_reason
         if req.abort_sent_time is not None and reason is not None and reason.type == "abort":
-            self.cancel_latency.add(req.rid, req.abort_sent_time, time.time())
+            self.cancel_latency.add(req.rid, req.abort_sent_time, time.time(), req.last_launch_time)
 
     def stream_if_due(self, req: Req) -> None:
         """Queue `req`'s new tokens for the front end once stream_interval of them wait."""

@@ -56,12 +56,14 @@ class CancelLatency:
     counts: list[int] = field(default_factory=lambda: [0] * len(CANCEL_LATENCY_BUCKETS))
     total: float = 0.0
     count: int = 0
-    # (rid, abort call, KV returned) wall times of the latest cancels (latency benchmarks)
-    recent: collections.deque[tuple[str, float, float]] = field(default_factory=lambda: collections.deque(maxlen=256))
+    # (rid, abort call, KV returned, launch of the last batch that held it) wall times of the
+    # latest cancels (latency benchmarks: was the KV back at the end of the step in progress?)
+    recent: collections.deque[tuple[str, float, float, float | None]] = field(
+        default_factory=lambda: collections.deque(maxlen=256))
 
-    def add(self, rid: str, sent: float, returned: float) -> None:
+    def add(self, rid: str, sent: float, returned: float, last_launch: float | None = None) -> None:
         latency = max(0.0, returned - sent)
-        self.recent.append((rid, sent, returned))
+        self.recent.append((rid, sent, returned, last_launch))
         self.window.append(latency)
         self.total += latency
         self.count += 1

@@ -69,8 +69,9 @@ def _start(msgs: list[object]) -> tuple[Harness, HeldForward, ScriptedInbox, dic
     s.inbox = inbox
     take_back = s._take_back
 
-    def take_back_then_release(batch) -> None:  # the held forward may end once N+1 is back
-        take_back(batch)
+    def take_back_then_release(batch, running) -> None:  # the held forward may end once N+1 is back
+        held.launches = (running.launched_at,)  # type: ignore[attr-defined]
+        take_back(batch, running)
         held.release.set()
     s._take_back = take_back_then_release  # type: ignore[method-assign]
     for rid, prompt in PROMPTS.items():
@@ -96,11 +97,15 @@ def _finish(h: Harness, inbox: ScriptedInbox) -> None:
 
 
 def test_an_abort_during_a_forward_takes_back_the_batch_queued_behind_it():
-    h, _, inbox, reqs = _start([AbortReq(rid="a")])
+    h, held, inbox, reqs = _start([AbortReq(rid="a")])
     s = h.scheduler
     assert s.stats.num_batches_taken_back == 1
     assert s.in_flight is None, "the queued batch is no longer in flight"
     s.check_integrity()  # its decode slots went back (live requests own exactly their KV)
+    # the latest batch holding each request is again the running one, launched before the abort
+    # came (what cancel latency compares with the abort's time: the KV is back when it ends)
+    running_launched_at = held.launches[0]  # type: ignore[attr-defined]
+    assert running_launched_at > 0 and all(r.last_launch_time == running_launched_at for r in reqs.values())
     ran = len(h.runner.forward_calls)
     for msg in inbox.take_all():
         s.handle(msg)
