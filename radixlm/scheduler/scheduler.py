@@ -218,7 +218,11 @@ class Scheduler:
             self.transfer.poll()
         self.check_timeouts()
         self._admit_compiled()
+        before = (self.ratio.value, self._chunk_since_decode)
         batch = self.schedule()
+        if batch is not None and self._abort_arrived_for(batch):
+            self._unbuild_decode(batch, before)
+            return True  # the loop applies the abort now; the step is built again without it
         launched = self._launch(batch) if batch is not None else None
         done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
         if batch is None and done is None:
@@ -239,6 +243,21 @@ class Scheduler:
         if abort_watch.watch(self.inbox, running, queued):
             self.in_flight = None
             self._take_back(queued.batch, running)
+
+    def _abort_arrived_for(self, batch: WorkerBatch) -> bool:
+        """Nothing in flight (overlap off, or its first batch): an abort that arrived while
+        `batch` was built and names one of its requests (abort_watch.aborted_before_launch)."""
+        return (self.inbox is not None and self.in_flight is None
+                and abort_watch.aborted_before_launch(self.inbox, batch))
+
+    def _unbuild_decode(self, batch: WorkerBatch, before: tuple[float, bool]) -> None:
+        """Undo `get_decode_batch` for a batch that was never launched: each request's decode
+        slot goes back, and the step's bookkeeping is as it was (retractions made to fit it stay)."""
+        for req in batch.reqs:
+            self.cache.rollback(req, 1)
+        self.stats.num_decode_tokens -= len(batch.reqs)
+        self.stats.num_batches_unbuilt += 1
+        self.ratio.value, self._chunk_since_decode = before
 
     def _take_back(self, batch: WorkerBatch, running: InFlight) -> None:
         """Undo `_launch` and `decode_batch` for a decode batch that never ran: its requests

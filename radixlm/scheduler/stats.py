@@ -37,6 +37,8 @@ class SchedulerStats:
     num_batch_replays: int = 0
     # overlap: queued decode batches taken back before they ran, for an abort (abort_watch.py)
     num_batches_taken_back: int = 0
+    # decode batches given back unbuilt: an abort for one of their requests came before launch
+    num_batches_unbuilt: int = 0
 
     def count_abort(self, where: str) -> None:
         name = f"aborts_{where}"

@@ -43,6 +43,11 @@ class SchedulerInbox:
     def wait(self, timeout_ms: int) -> bool:
         return self.has_queued() or self.receiver.wait(timeout_ms)
 
+    def peek(self) -> list[object]:
+        new = self.receiver.recv_all()
+        self._queued += new
+        return new
+
     def wait_for(self, future: Future[Any]) -> list[object]:
         future.add_done_callback(self._wake)  # runs at once if it is done already
         self._poller.poll()

@@ -1,5 +1,6 @@
 """Overlap: an abort that arrives while batch N computes takes back the decode batch N+1
-queued behind it, so the request's KV is back when N ends (abort_watch.py)."""
+queued behind it, so the request's KV is back when N ends (abort_watch.py). Without overlap:
+an abort that arrives while the next decode batch is built gives that batch back unbuilt."""
 from __future__ import annotations
 
 import threading
@@ -53,6 +54,9 @@ class ScriptedInbox:
         if held_now:
             self.held.release.set()  # nothing (more) to say: let the held forward end
         wait([future], timeout=10)
+        return []
+
+    def peek(self) -> list[object]:  # the first batch after idle is launched with nothing in flight
         return []
 
     def take_all(self) -> list[object]:
@@ -148,3 +152,63 @@ def test_a_batch_the_forward_thread_has_started_is_not_taken_back():
     _finish(h, inbox)
     assert s.requests.where(reqs["a"]) is None and reqs["a"].req_pool_idx is None
     assert Place.RELEASING not in {s.requests.where(r) for r in reqs.values()}
+
+
+class BuildTimeInbox:
+    """Overlap off: the loop has read its messages; `arrive` is what comes while the next batch
+    is built, seen by the scheduler's look before the launch."""
+
+    def __init__(self) -> None:
+        self.arrive: list[object] = []
+        self.queued: list[object] = []
+
+    def peek(self) -> list[object]:
+        new, self.arrive = self.arrive, []
+        self.queued += new
+        return new
+
+    def wait_for(self, future: Future) -> list[object]:
+        raise AssertionError("without overlap the scheduler never waits on a running forward")
+
+    def take_all(self) -> list[object]:
+        out, self.queued = self.queued, []
+        return out
+
+
+@pytest.mark.parametrize("abort_rid,unbuilt", [("a", 1), ("nobody", 0)])
+def test_an_abort_arriving_while_a_decode_batch_is_built_gives_it_back(abort_rid, unbuilt):
+    h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True)
+    s = h.scheduler
+    inbox = BuildTimeInbox()
+    s.inbox = inbox
+    for rid, prompt in PROMPTS.items():
+        h.submit(prompt, rid=rid, max_new_tokens=MAX_NEW)
+    for _ in range(3):  # the prefill, then decode steps
+        assert s.step()
+    reqs = {r.rid: r for r in s.running}
+    ran, decoded, ratio = len(h.runner.forward_calls), s.stats.num_decode_tokens, s.ratio.value
+    inbox.arrive = [AbortReq(rid=abort_rid)]
+    assert s.step()
+    assert s.stats.num_batches_unbuilt == unbuilt
+    if unbuilt:
+        assert len(h.runner.forward_calls) == ran, "the batch was launched"
+        assert (s.stats.num_decode_tokens, s.ratio.value) == (decoded, ratio)
+        s.check_integrity()  # the decode slots went back: live requests own exactly their KV
+        for msg in inbox.take_all():  # the loop applies the abort before the next step
+            s.handle(msg)
+        a = reqs["a"]
+        assert s.stats.aborts_running == 1 and s.stats.aborts_in_flight == 0
+        assert a.req_pool_idx is None and s.requests.where(a) is None, "its KV waited for a step"
+        assert h.final("a").finish_reason["type"] == "abort"
+        got = h.tokens("a")
+        assert got == reference_output(PROMPTS["a"], len(got))
+    else:
+        assert len(h.runner.forward_calls) == ran + 1
+        for msg in inbox.take_all():
+            s.handle(msg)
+    h.run()
+    h.assert_idle_and_conserved()
+    assert all(reqs["a"] not in b.reqs for b in h.runner.forward_calls[ran:]) == bool(unbuilt)
+    for rid in ("b", "c") if unbuilt else PROMPTS:  # every token once, as without the abort
+        assert h.tokens(rid) == reference_output(PROMPTS[rid], MAX_NEW)
+        assert h.final(rid).finish_reason["type"] == "length"

@@ -67,3 +67,24 @@ def test_the_forward_ending_wakes_the_wait(tmp_path):
     finally:
         inbox.close()
         ctx.destroy(linger=0)
+
+
+def test_peek_never_blocks_and_keeps_what_it_saw_queued_in_order(tmp_path):
+    ctx, inbox, out = _pair(tmp_path)
+    try:
+        t0 = time.monotonic()
+        assert inbox.peek() == [] and time.monotonic() - t0 < 0.5
+        out.send(AbortReq(rid="first"))
+        seen: list = []
+        end = time.monotonic() + 5.0
+        while not seen and time.monotonic() < end:
+            seen = inbox.peek()
+            time.sleep(0.005)
+        assert [m.rid for m in seen] == ["first"]
+        out.send(AbortReq(rid="second"))
+        time.sleep(0.05)
+        assert [m.rid for m in inbox.take_all()] == ["first", "second"]
+        assert inbox.peek() == [] and inbox.take_all() == []
+    finally:
+        inbox.close()
+        ctx.destroy(linger=0)
