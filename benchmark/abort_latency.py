@@ -99,6 +99,11 @@ def kv_step(info: dict, t0: dict[str, float]) -> dict:
             "launched_after_abort_ms": pct(late), "after_last_launch_ms": pct([r - lt for _, r, lt in rows])}
 
 
+def batches_given_back(info: dict) -> dict:
+    """Decode batches an abort took back before they ran (overlap) or before their launch."""
+    return {k: info.get(k) for k in ("num_batches_taken_back", "num_batches_unbuilt")}
+
+
 # ---------------------------------------------------------------------------- Engine
 def run_engine(args, overlap: bool) -> dict:
     """The caller is an asyncio program (as RL frameworks are): streams via async_generate."""
@@ -156,7 +161,7 @@ def run_engine(args, overlap: bool) -> dict:
         released = kv_release(info, t0)
         return {"engine_abort": {"answer_ms": pct(answer), "front_end_accepted_ms": pct(front_end_accepted(info, t0)),
                                  "kv_release_ms": pct(released), "kv_release_slowest": slowest(released),
-                                 "kv_step": kv_step(info, t0),
+                                 "kv_step": kv_step(info, t0), **batches_given_back(info),
                                  "scheduler_gc": info.get("gc")},
                 "step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None}
 
@@ -321,7 +326,7 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
     accepted = front_end_accepted(info, t0)
-    common = {"kv_release_ms": pct(kv_release(info, t0)), "kv_step": kv_step(info, t0),
+    common = {"kv_release_ms": pct(kv_release(info, t0)), "kv_step": kv_step(info, t0), **batches_given_back(info),
               "scheduler_gc": info.get("gc")}
     if entry == "http_disconnect":
         return {"answer_ms": pct(accepted), **common}
