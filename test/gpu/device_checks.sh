@@ -61,6 +61,6 @@ if [ "$WHAT" = model ] || [ "$WHAT" = all ]; then
         -k "not (kernels_match or kv_ops or backends_match)" 2>&1 | tail -60 | tee "$OUT/pytest_model.txt"
     timeout 60 python3 benchmark/overlap.py --device cuda ${MODEL:+--model-path "$MODEL"} --num 64 --output-len 64 \
         --out "$OUT/overlap_cuda.json" 2>&1 | grep -v '^ ' | tail -15
-    timeout 240 python3 benchmark/gpu_engine.py ${MODEL:+--model-path "$MODEL"} --out "$OUT/gpu_engine.json" \
+    timeout 240 python3 benchmark/gpu_engine.py ${MODEL:+--model-path "$MODEL"} --output-len 64 --out "$OUT/gpu_engine.json" \
         2>&1 | grep -v -E 'generate:|^ |^\{|^\}' | tail -30
 fi
