@@ -52,6 +52,7 @@ class Scheduler:
         self.cache = cache
         self.policy = make_policy(config.schedule_policy, cache, config.random_seed)
         self.ratio = NewTokenRatioTracker(config.schedule_conservativeness)
+        self._ratio_before_decode_step = self.ratio.value  # (_unbuild_decode)
         self.stop_checker = StopStringChecker(tokenizer)
         self.send_output = send_output or (lambda out: None)
         self.requests = RequestTable()
@@ -218,10 +219,10 @@ class Scheduler:
             self.transfer.poll()
         self.check_timeouts()
         self._admit_compiled()
-        before = (self.ratio.value, self._chunk_since_decode)
+        chunk_since_decode = self._chunk_since_decode
         batch = self.schedule()
         if batch is not None and self._abort_arrived_for(batch):
-            self._unbuild_decode(batch, before)
+            self._unbuild_decode(batch, chunk_since_decode)
             return True  # the loop applies the abort now; the step is built again without it
         launched = self._launch(batch) if batch is not None else None
         done, self.in_flight = (self.in_flight, launched) if self.overlap else (launched, None)
@@ -250,14 +251,16 @@ class Scheduler:
         return (self.inbox is not None and self.in_flight is None
                 and abort_watch.aborted_before_launch(self.inbox, batch))
 
-    def _unbuild_decode(self, batch: WorkerBatch, before: tuple[float, bool]) -> None:
+    def _unbuild_decode(self, batch: WorkerBatch, chunk_since_decode: bool) -> None:
         """Undo `get_decode_batch` for a batch that was never launched: each request's decode
-        slot goes back, and the step's bookkeeping is as it was (retractions made to fit it stay)."""
+        slot goes back, and the step's bookkeeping is as it was (retractions made to fit it stay,
+        with their effect on the new-token ratio)."""
         for req in batch.reqs:
             self.cache.rollback(req, 1)
         self.stats.num_decode_tokens -= len(batch.reqs)
         self.stats.num_batches_unbuilt += 1
-        self.ratio.value, self._chunk_since_decode = before
+        self.ratio.value = self._ratio_before_decode_step
+        self._chunk_since_decode = chunk_since_decode
 
     def _take_back(self, batch: WorkerBatch, running: InFlight) -> None:
         """Undo `_launch` and `decode_batch` for a decode batch that never ran: its requests
@@ -397,6 +400,7 @@ class Scheduler:
         else:
             batch = decode_batch(reqs, self.cache, self.in_flight.batch if self.in_flight is not None else None,
                                  self.overlap)
+        self._ratio_before_decode_step = self.ratio.value  # what _unbuild_decode restores
         self.ratio.on_decode_step()
         self.stats.num_decode_tokens += len(reqs)
         return batch

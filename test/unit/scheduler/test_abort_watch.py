@@ -212,3 +212,27 @@ def test_an_abort_arriving_while_a_decode_batch_is_built_gives_it_back(abort_rid
     for rid in ("b", "c") if unbuilt else PROMPTS:  # every token once, as without the abort
         assert h.tokens(rid) == reference_output(PROMPTS[rid], MAX_NEW)
         assert h.final(rid).finish_reason["type"] == "length"
+
+
+def test_a_batch_given_back_unbuilt_keeps_what_a_retraction_made_of_the_ratio(monkeypatch):
+    """Building the batch retracted (here: a stand-in that moves the new-token ratio as a
+    retraction does); giving the batch back undoes the step's decay only, not that."""
+    h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True)
+    s = h.scheduler
+    inbox = BuildTimeInbox()
+    s.inbox = inbox
+    for rid, prompt in PROMPTS.items():
+        h.submit(prompt, rid=rid, max_new_tokens=MAX_NEW)
+    for _ in range(3):
+        assert s.step()
+    fits = iter([False])
+    monkeypatch.setattr(s, "_decode_fits", lambda n, steps: next(fits, True))
+    monkeypatch.setattr(s, "_ensure_decode_memory", lambda: setattr(s.ratio, "value", 0.625))
+    inbox.arrive = [AbortReq(rid="b")]
+    assert s.step() and s.stats.num_batches_unbuilt == 1
+    assert s.ratio.value == 0.625
+    for msg in inbox.take_all():
+        s.handle(msg)
+    h.run()
+    h.assert_idle_and_conserved()
+    assert h.final("b").finish_reason["type"] == "abort"
