@@ -261,6 +261,9 @@ class Scheduler:
         self.stats.num_batches_unbuilt += 1
         self.ratio.value = self._ratio_before_decode_step
         self._chunk_since_decode = chunk_since_decode
+        if self.config.debug_check_integrity:
+            self.check_integrity()
+        self._flush_outputs()  # what this iteration produced before the batch (timeouts, grammars)
 
     def _take_back(self, batch: WorkerBatch, running: InFlight) -> None:
         """Undo `_launch` and `decode_batch` for a decode batch that never ran: its requests
