@@ -83,16 +83,10 @@ inline void store_q32(uint8_t* q, const __m256* v, __m256 inv) {
 }
 #endif
 
-// Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats. kOffset: q = int8 + 128
-// (uint8, what vpdpbusd and the Python API take); else q holds the int8 values themselves.
+// One row: qr is Kp = ng * kGroup bytes, scale ng floats. kOffset: q = int8 + 128 (uint8,
+// what vpdpbusd and the Python API take); else q holds the int8 values themselves.
 template <typename T, bool kOffset = true>
-void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q, float* scale,
-                     int nthreads) {
-  const int64_t Kp = (int64_t)ng * kGroup;
-#pragma omp parallel for num_threads(nthreads) if (M * K >= kParallelMin)
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x + m * x_stride;
-    uint8_t* qr = q + m * Kp;
+void quantize_row(const T* xr, int K, int ng, uint8_t* qr, float* scale) {
     for (int g = 0; g < ng; ++g) {
       const int k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -103,7 +97,7 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f);
         store_q16(qr + k0, a, inv);
         store_q16(qr + k0 + 16, b, inv);
-        scale[m * ng + g] = (float)((double)amax / 127.0);
+        scale[g] = (float)((double)amax / 127.0);
         continue;
       }
 #elif defined(RADIXLM_INT8_AVX2)
@@ -117,7 +111,7 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
         }
         const float amax = hmax8(mx);
         store_q32<kOffset>(qr + k0, v, _mm256_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f));
-        scale[m * ng + g] = (float)((double)amax / 127.0);
+        scale[g] = (float)((double)amax / 127.0);
         continue;
       }
 #endif
@@ -131,9 +125,17 @@ void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uin
         qr[k] = (uint8_t)((int)v + (kOffset ? 128 : 0));
       }
       for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = kOffset ? 128 : 0;
-      scale[m * ng + g] = (float)((double)amax / 127.0);
+      scale[g] = (float)((double)amax / 127.0);
     }
-  }
+}
+
+// Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats (quantize_row).
+template <typename T, bool kOffset = true>
+void quantize_groups(const T* x, int64_t x_stride, int64_t M, int K, int ng, uint8_t* q, float* scale,
+                     int nthreads) {
+  const int64_t Kp = (int64_t)ng * kGroup;
+#pragma omp parallel for num_threads(nthreads) if (M * K >= kParallelMin)
+  for (int64_t m = 0; m < M; ++m) quantize_row<T, kOffset>(x + m * x_stride, K, ng, q + m * Kp, scale + m * ng);
 }
 
 #ifdef RADIXLM_INT8_GEMM
@@ -328,7 +330,6 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
   const int tiles = (N + kTileCols - 1) / kTileCols;
   std::vector<uint8_t> xq((size_t)M * Kp);
   std::vector<float> xs((size_t)M * ng);
-  quantize_groups<TI, kOffsetActivations>(x, x_stride, M, K, ng, xq.data(), xs.data(), nthreads);
   // Rows are split too when there are few column tiles, so both threads get equal work;
   // tasks are tile-major, so each thread streams its own share of the weight.
   int64_t chunks = 1;
@@ -339,7 +340,14 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
   chunks = (M + rows_per - 1) / rows_per;
   const int64_t tasks = (int64_t)tiles * chunks;
   const bool parallel = (int64_t)N * K >= kParallelMin || M * (int64_t)N * K >= (int64_t)1 << 22;
-#pragma omp parallel for num_threads(nthreads) if (parallel) schedule(static)
+  // The activations are quantized inside the GEMM's region, each thread its rows: before it,
+  // on one thread, they were a serial 7.7 us (32 x 576) to 16 us (32 x 1,536) of each call.
+#pragma omp parallel num_threads(nthreads) if (parallel)
+  {
+#pragma omp for schedule(static)
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row<TI, kOffsetActivations>(x + m * x_stride, K, ng, xq.data() + m * Kp, xs.data() + m * ng);
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
     const int tile = (int)(t / chunks);
     const int64_t r0 = (t % chunks) * rows_per, r1 = std::min(M, r0 + rows_per);
@@ -381,6 +389,7 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
       m0 += rows;
     }
   }
+  }  // omp parallel
 }
 #endif  // RADIXLM_INT8_GEMM
 
