@@ -44,6 +44,7 @@ class SchedulerInbox:
         return self.has_queued() or self.receiver.wait(timeout_ms)
 
     def peek(self) -> list[object]:
+        """What arrived since the last look, without blocking; it stays queued for take_all."""
         new = self.receiver.recv_all()
         self._queued += new
         return new
@@ -53,9 +54,7 @@ class SchedulerInbox:
         self._poller.poll()
         with contextlib.suppress(BlockingIOError):
             os.read(self._wake_r, 4096)
-        new = self.receiver.recv_all()
-        self._queued += new
-        return new
+        return self.peek()
 
     def _wake(self, _future: Future[Any]) -> None:
         with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending anyway

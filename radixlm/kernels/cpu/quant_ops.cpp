@@ -87,46 +87,46 @@ inline void store_q32(uint8_t* q, const __m256* v, __m256 inv) {
 // what vpdpbusd and the Python API take); else q holds the int8 values themselves.
 template <typename T, bool kOffset = true>
 void quantize_row(const T* xr, int K, int ng, uint8_t* qr, float* scale) {
-    for (int g = 0; g < ng; ++g) {
-      const int k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
+  for (int g = 0; g < ng; ++g) {
+    const int k0 = g * kGroup, k1 = std::min(K, k0 + kGroup);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      static_assert(kGroup == 32, "the vector path quantizes a group as two 16-lane halves");
-      if (k1 - k0 == kGroup) {  // a whole group: two vectors (the scalar loop ran at ~1.4 cycles/value)
-        const __m512 a = load16(xr + k0), b = load16(xr + k0 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f);
-        store_q16(qr + k0, a, inv);
-        store_q16(qr + k0 + 16, b, inv);
-        scale[g] = (float)((double)amax / 127.0);
-        continue;
-      }
-#elif defined(RADIXLM_INT8_AVX2)
-      if (k1 - k0 == kGroup) {  // a whole group: four vectors
-        __m256 v[4];
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 mx = _mm256_setzero_ps();
-        for (int c = 0; c < 4; ++c) {
-          v[c] = load8(xr + k0 + 8 * c);
-          mx = _mm256_max_ps(mx, _mm256_and_ps(v[c], absmask));
-        }
-        const float amax = hmax8(mx);
-        store_q32<kOffset>(qr + k0, v, _mm256_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f));
-        scale[g] = (float)((double)amax / 127.0);
-        continue;
-      }
-#endif
-      float amax = 0.f;
-      for (int k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(to_f(xr[k])));
-      // In double, rounded once: -ffast-math may turn a float division into a reciprocal
-      // estimate, and these two numbers must equal the correctly rounded float32 ones.
-      const float inv = amax > 0.f ? (float)(127.0 / (double)amax) : 0.f;
-      for (int k = k0; k < k1; ++k) {
-        const float v = fminf(127.f, fmaxf(-127.f, nearbyintf(to_f(xr[k]) * inv)));
-        qr[k] = (uint8_t)((int)v + (kOffset ? 128 : 0));
-      }
-      for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = kOffset ? 128 : 0;
+    static_assert(kGroup == 32, "the vector path quantizes a group as two 16-lane halves");
+    if (k1 - k0 == kGroup) {  // a whole group: two vectors (the scalar loop ran at ~1.4 cycles/value)
+      const __m512 a = load16(xr + k0), b = load16(xr + k0 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f);
+      store_q16(qr + k0, a, inv);
+      store_q16(qr + k0 + 16, b, inv);
       scale[g] = (float)((double)amax / 127.0);
+      continue;
     }
+#elif defined(RADIXLM_INT8_AVX2)
+    if (k1 - k0 == kGroup) {  // a whole group: four vectors
+      __m256 v[4];
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 mx = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        v[c] = load8(xr + k0 + 8 * c);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[c], absmask));
+      }
+      const float amax = hmax8(mx);
+      store_q32<kOffset>(qr + k0, v, _mm256_set1_ps(amax > 0.f ? (float)(127.0 / (double)amax) : 0.f));
+      scale[g] = (float)((double)amax / 127.0);
+      continue;
+    }
+#endif
+    float amax = 0.f;
+    for (int k = k0; k < k1; ++k) amax = fmaxf(amax, fabsf(to_f(xr[k])));
+    // In double, rounded once: -ffast-math may turn a float division into a reciprocal
+    // estimate, and these two numbers must equal the correctly rounded float32 ones.
+    const float inv = amax > 0.f ? (float)(127.0 / (double)amax) : 0.f;
+    for (int k = k0; k < k1; ++k) {
+      const float v = fminf(127.f, fmaxf(-127.f, nearbyintf(to_f(xr[k]) * inv)));
+      qr[k] = (uint8_t)((int)v + (kOffset ? 128 : 0));
+    }
+    for (int k = std::max(k0, k1); k < k0 + kGroup; ++k) qr[k] = kOffset ? 128 : 0;
+    scale[g] = (float)((double)amax / 127.0);
+  }
 }
 
 // Row m of q is Kp = ng * kGroup bytes, scale row m is ng floats (quantize_row).

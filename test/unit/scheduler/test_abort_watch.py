@@ -175,16 +175,21 @@ class BuildTimeInbox:
         return out
 
 
-@pytest.mark.parametrize("abort_rid,unbuilt", [("a", 1), ("nobody", 0)])
-def test_an_abort_arriving_while_a_decode_batch_is_built_gives_it_back(abort_rid, unbuilt):
+def _start_without_overlap() -> tuple[Harness, BuildTimeInbox]:
     h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True)
-    s = h.scheduler
     inbox = BuildTimeInbox()
-    s.inbox = inbox
+    h.scheduler.inbox = inbox
     for rid, prompt in PROMPTS.items():
         h.submit(prompt, rid=rid, max_new_tokens=MAX_NEW)
     for _ in range(3):  # the prefill, then decode steps
-        assert s.step()
+        assert h.scheduler.step()
+    return h, inbox
+
+
+@pytest.mark.parametrize("abort_rid,unbuilt", [("a", 1), ("nobody", 0)])
+def test_an_abort_arriving_while_a_decode_batch_is_built_gives_it_back(abort_rid, unbuilt):
+    h, inbox = _start_without_overlap()
+    s = h.scheduler
     reqs = {r.rid: r for r in s.running}
     ran, decoded, ratio = len(h.runner.forward_calls), s.stats.num_decode_tokens, s.ratio.value
     inbox.arrive = [AbortReq(rid=abort_rid)]
@@ -217,14 +222,8 @@ def test_an_abort_arriving_while_a_decode_batch_is_built_gives_it_back(abort_rid
 def test_a_batch_given_back_unbuilt_keeps_what_a_retraction_made_of_the_ratio(monkeypatch):
     """Building the batch retracted (here: a stand-in that moves the new-token ratio as a
     retraction does); giving the batch back undoes the step's decay only, not that."""
-    h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True)
+    h, inbox = _start_without_overlap()
     s = h.scheduler
-    inbox = BuildTimeInbox()
-    s.inbox = inbox
-    for rid, prompt in PROMPTS.items():
-        h.submit(prompt, rid=rid, max_new_tokens=MAX_NEW)
-    for _ in range(3):
-        assert s.step()
     fits = iter([False])
     monkeypatch.setattr(s, "_decode_fits", lambda n, steps: next(fits, True))
     monkeypatch.setattr(s, "_ensure_decode_memory", lambda: setattr(s.ratio, "value", 0.625))
