@@ -44,14 +44,26 @@ inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
 // A micro-tile's pass over the whole panel. (Passes over 128- or 256-k slices that stay in L1,
 // partial sums kept between them, measured 5-15% slower at batch 1 and 32 with the weights
 // streaming from DRAM, as in a decode step.)
-template <int MR, typename TO>
+//
+// The tile also fetches k pairs [pf0, pf1) of the panel its thread multiplies next (pf) into
+// L2, spread evenly over its own k loop, so that panel's first micro-tile does not wait for
+// DRAM (each k pair of a panel is 4 cache lines).
+template <int MR, bool Fetch, typename TO>
 void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const uint16_t* bias, TO* out,
-                int64_t os, int ncols) {
+                int64_t os, int ncols, const uint16_t* pf, int pf0, int pf1) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int pf_n = pf1 - pf0;
+  int pf_next = pf0, pf_debt = 0;  // Bresenham: pf_n fetches over K2 iterations
 #pragma GCC unroll 2
   for (int kp = 0; kp < K2; ++kp) {
+    pf_debt += pf_n;
+    while (Fetch && pf_debt >= K2) {
+      pf_debt -= K2;
+      const char* line = (const char*)(pf + (int64_t)pf_next++ * 2 * kNR);
+      for (int c = 0; c < 4; ++c) _mm_prefetch(line + 64 * c, _MM_HINT_T1);
+    }
     const uint16_t* w = panel + (int64_t)kp * 2 * kNR;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64), w3 = (__m512bh)_mm512_loadu_si512(w + 96);
@@ -80,15 +92,24 @@ template <typename TO>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
                  TO* out, int64_t os, int nthreads) {
   const int K2 = K / 2;
-  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p) {
+  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p,
+                                                                       radixlm::NextPanel next) {
     const uint16_t* panel = packed + (int64_t)p * K * kNR;
+    const uint16_t* pf = next.panel < 0 ? nullptr : packed + (int64_t)next.panel * K * kNR;
+    const int pf0 = next.begin(K2), pf1 = next.end(K2);
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const uint16_t* b = bias ? bias + c0 : nullptr;
     const uint16_t* xr = x + m0 * xs;
     TO* o = out + m0 * os + c0;
+    const bool fetch = pf1 > pf0;
     switch (rows) {
-#define RADIXLM_TILE(R) \
-  case R: micro_tile<R, TO>(xr, xs, K2, panel, b, o, os, ncols); break;
+#define RADIXLM_TILE(R)                                                   \
+  case R:                                                                 \
+    if (fetch)                                                            \
+      micro_tile<R, true, TO>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
+    else                                                                  \
+      micro_tile<R, false, TO>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
+    break;
       RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
     }

@@ -108,7 +108,7 @@ void float_linear(const TI* x, int64_t x_stride, int64_t M, int K, const TW* pac
     xp = xf.data();
     xs = K;
   }
-  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p) {
+  radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p, radixlm::NextPanel) {
     const TW* panel = packed + (int64_t)p * K * kNR;
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const TO* b = bias ? bias + c0 : nullptr;
