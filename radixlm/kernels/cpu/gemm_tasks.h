@@ -33,27 +33,45 @@ struct NextPanel {
 };
 
 // tile(m0, rows, p, next): rows (1..MR) activation rows from m0 on, times panel p.
+//
+// A decode batch (M <= row_block) is split by micro-tiles, not panels: thread i takes the i-th
+// contiguous share of the (panel, micro-tile) pairs, so a panel count that does not divide by
+// the threads (9 panels of 64 for hidden 576, 15 for its qkv) does not leave one thread a
+// panel more to do while the other waits; the one panel split between two threads is read by
+// both. Larger M is split by whole tasks (row block, panel): there are many of them.
 template <int MR, typename Tile>
 void run_gemm_tasks(int64_t M, int N, int K, int NR, int64_t row_block, int nthreads, Tile&& tile) {
   if (M <= 0) return;
   const int panels = (N + NR - 1) / NR;
-  const int64_t tasks = (M + row_block - 1) / row_block * panels;
+  const int64_t blocks = (M + row_block - 1) / row_block;
+  const int64_t tasks = blocks * panels;
   const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
 #pragma omp parallel num_threads(nthreads) if (parallel)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t t0 = tasks * id / nt, t1 = tasks * (id + 1) / nt;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int p = (int)(t % panels);
-      const int next = t + 1 < t1 ? (int)((t + 1) % panels) : -1;
-      const int64_t r0 = t / panels * row_block, r1 = std::min(M, r0 + row_block);
-      const int64_t steps = (r1 - r0 + MR - 1) / MR;
-      const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
-      int64_t m0 = r0;
-      for (int64_t s = 0; s < steps; ++s) {
-        const int rows = (int)(base + (s < extra ? 1 : 0));
-        tile(m0, rows, p, NextPanel{next, (int)s, (int)steps});
-        m0 += rows;
+    if (blocks == 1) {
+      const int64_t steps = (M + MR - 1) / MR, base = M / steps, extra = M % steps;
+      const int64_t units = panels * steps, u0 = units * id / nt, u1 = units * (id + 1) / nt;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int p = (int)(u / steps), s = (int)(u % steps);
+        const int next = (int64_t)(p + 1) * steps < u1 ? p + 1 : -1;
+        const int64_t m0 = s * base + std::min<int64_t>(s, extra);
+        tile(m0, (int)(base + (s < extra ? 1 : 0)), p, NextPanel{next, s, (int)steps});
+      }
+    } else {
+      const int64_t t0 = tasks * id / nt, t1 = tasks * (id + 1) / nt;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int p = (int)(t % panels);
+        const int next = t + 1 < t1 ? (int)((t + 1) % panels) : -1;
+        const int64_t r0 = t / panels * row_block, r1 = std::min(M, r0 + row_block);
+        const int64_t steps = (r1 - r0 + MR - 1) / MR;
+        const int64_t base = (r1 - r0) / steps, extra = (r1 - r0) % steps;
+        int64_t m0 = r0;
+        for (int64_t s = 0; s < steps; ++s) {
+          const int rows = (int)(base + (s < extra ? 1 : 0));
+          tile(m0, rows, p, NextPanel{next, (int)s, (int)steps});
+          m0 += rows;
+        }
       }
     }
   }
