@@ -182,7 +182,7 @@ void attend_range_bf16(const uint16_t* q, float scale, int G, int H, const uint1
   // 64 keys ahead: slower).
   const int64_t row_bytes = (int64_t)H * D * sizeof(uint16_t);
   const bool aligned = row_bytes % 64 == 0 && row_stride * 2 % 64 == 0 && ((uintptr_t)kbuf | (uintptr_t)vbuf) % 64 == 0;
-  const int lpr = (int)(row_bytes / 64) + (aligned ? 0 : 1);  // cache lines a row can span
+  const int lpr = (int)(aligned ? row_bytes / 64 : (row_bytes + 62) / 64 + 1);  // cache lines a row can span
   for (int64_t j = k0, j1 = std::min<int64_t>(k1, k0 + kAheadBf16); j < j1; ++j) {
     radixlm::prefetch_bytes(kbuf + idx[j] * row_stride, row_bytes);
     radixlm::prefetch_bytes(vbuf + idx[j] * row_stride, row_bytes);

@@ -173,6 +173,7 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
   alignas(64) float sk[kMaxGroup][kChunk], sv[kMaxGroup][kChunk];
   alignas(64) float sc[kMaxGroup][kChunk];  // scores, then probabilities times the value scale
   for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
+  const int fetch_parts = std::min(HG, kFetchHeads);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int nc = (int)std::min<int64_t>(kChunk, k1 - c0);
     const int nb = (nc + 15) / 16;  // 16-key blocks; keys nc.. of the last are padding
@@ -189,16 +190,15 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
       const __m512i qc = _mm512_set1_epi32(qcorr[g]);
       __m512 mx = _mm512_set1_ps(kNoMax);
       for (int blk = 0; blk < nb; ++blk) {
-        if (g < kFetchHeads) {
+        if (g < fetch_parts) {
           // Scattered rows (see attend_range_bf16 in cpu_ops.cpp): keys 32 ahead, and this
           // block's values, used after the chunk's scores; the block's fetches are split over
           // the first kFetchHeads query heads' passes, so they do not fill the miss buffers in
           // one burst ahead of the scores' loads. Batch 32, 30 layers, interleaved rows, builds
           // alternated in one process: 200 keys 6.4 -> 5.8 ms, 1,000 keys 30.6 -> 26.9 (all
           // in the first head's pass, as before, or over 9 heads: 6.1 and 27.7).
-          const int parts = std::min(HG, kFetchHeads);
           const int64_t jb = c0 + 16 * blk, n = std::min<int64_t>(k1, jb + 16) - jb;
-          for (int64_t j = jb + n * g / parts, j1 = jb + n * (g + 1) / parts; j < j1; ++j) {
+          for (int64_t j = jb + n * g / fetch_parts, j1 = jb + n * (g + 1) / fetch_parts; j < j1; ++j) {
             if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
             radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
           }
