@@ -25,6 +25,7 @@
 #include "avx2.h"
 #include "bf16.h"
 #include "decode_tasks.h"
+#include "rowwise_avx512.h"
 
 namespace {
 
@@ -415,6 +416,11 @@ void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, 
 #pragma omp parallel for num_threads(nthreads) if (n * H >= kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const T* xr = x + t * x_stride;
+#ifdef RADIXLM_ROWWISE_AVX512
+    radixlm::rowwise::add_rmsnorm_row(xr, residual ? residual + t * (int64_t)H : nullptr, w,
+                                      out + t * (int64_t)H, H, eps);
+    continue;
+#endif
     float buf[8192];
     float ss = 0.f;
     if (residual) {
@@ -442,9 +448,15 @@ void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
     const T* g = gu + t * 2 * (int64_t)I;
     const T* u = g + I;
     T* o = out + t * (int64_t)I;
+#ifdef RADIXLM_ROWWISE_AVX512
+    radixlm::rowwise::silu_mul_row(g, u, o, I);
+    continue;
+#endif
     for (int i = 0; i < I; ++i) {
+      // e^-g capped at e^80: built with -ffast-math, gcc assumes no infinities, and a gate
+      // below -88 (e^-g = inf) came out NaN instead of -0.
       const float gv = to_f(g[i]);
-      o[i] = from_f<T>(gv / (1.f + expf(-gv)) * to_f(u[i]));
+      o[i] = from_f<T>(gv / (1.f + expf(std::min(-gv, 80.f))) * to_f(u[i]));
     }
   }
 }

@@ -73,10 +73,29 @@ def test_add_rmsnorm(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul(dtype):
-    gu = torch.randn(7, 2 * 1536).to(dtype)
+@pytest.mark.parametrize("inter", [1536, 37])  # 37: a row that ends inside a 16-lane vector
+def test_silu_mul(dtype, inter):
+    gu = torch.randn(7, 2 * inter).to(dtype)
+    gu[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0, -0.5])  # e^-g past and near the float range
     gate, up = gu.float().chunk(2, -1)
     assert torch.allclose(ops.silu_mul(gu).float(), F.silu(gate) * up, atol=TOL[dtype] * 2, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_row_tail(dtype):
+    """A hidden size that ends inside a vector: the masked lanes neither count in the mean
+    square nor write past the residual's last row."""
+    x, r, w = torch.randn(3, 50).to(dtype), torch.randn(3, 50).to(dtype), torch.randn(50).to(dtype)
+    buf = torch.randn(3 * 50 + 16).to(dtype)
+    buf[:150] = r.flatten()
+    after = buf[150:].clone()
+    res = buf[:150].view(3, 50)
+    out = ops.add_rmsnorm(x, res, w, 1e-5)
+    s = x + r
+    assert torch.equal(res, s)
+    assert torch.equal(buf[150:], after)
+    assert torch.allclose(out.float(), F.rms_norm(s.float(), (50,), w.float(), 1e-5), atol=TOL[dtype] * 4,
+                          rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
