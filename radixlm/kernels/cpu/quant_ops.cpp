@@ -328,8 +328,15 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
   const int ng = (K + kGroup - 1) / kGroup;
   const int64_t Kp = (int64_t)ng * kGroup;
   const int tiles = (N + kTileCols - 1) / kTileCols;
-  std::vector<uint8_t> xq((size_t)M * Kp);
-  std::vector<float> xs((size_t)M * ng);
+  // The quantized activations live in per-thread scratch that only grows: a std::vector per
+  // call zero-filled them first, and past glibc's mmap threshold (a prefill chunk's 1,024 x
+  // 1,536) every call mapped fresh pages and faulted each one in.
+  static thread_local std::vector<uint8_t> xq_scratch;
+  static thread_local std::vector<float> xs_scratch;
+  if (xq_scratch.size() < (size_t)M * Kp) xq_scratch.resize((size_t)M * Kp);
+  if (xs_scratch.size() < (size_t)M * ng) xs_scratch.resize((size_t)M * ng);
+  uint8_t* const xq = xq_scratch.data();
+  float* const xs = xs_scratch.data();
   // Rows are split too when there are few column tiles, so both threads get equal work;
   // tasks are tile-major, so each thread streams its own share of the weight.
   int64_t chunks = 1;
@@ -346,7 +353,7 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
   {
 #pragma omp for schedule(static)
   for (int64_t m = 0; m < M; ++m)
-    quantize_row<TI, kOffsetActivations>(x + m * x_stride, K, ng, xq.data() + m * Kp, xs.data() + m * ng);
+    quantize_row<TI, kOffsetActivations>(x + m * x_stride, K, ng, xq + m * Kp, xs + m * ng);
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
     const int tile = (int)(t / chunks);
@@ -374,8 +381,8 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
     int64_t m0 = r0;
     for (int64_t step = 0; step < steps; ++step) {
       const int64_t rows = base + (step < extra ? 1 : 0);
-      const uint8_t* xr = xq.data() + m0 * Kp;
-      const float* sr = xs.data() + m0 * ng;
+      const uint8_t* xr = xq + m0 * Kp;
+      const float* sr = xs + m0 * ng;
       TO* o = out + m0 * out_stride + c0;
       switch (rows) {
 #define RADIXLM_TILE(R) \
