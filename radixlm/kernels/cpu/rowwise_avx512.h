@@ -5,9 +5,8 @@
 // SiLU's exp becomes a call into glibc's vector expf and the norm's sum of squares runs 16
 // lanes in one chain through a float buffer; a decode batch's SiLU*mul (32 x 1,536) took 33 us
 // and its add + RMSNorm (32 x 576) 14 us, ~2 ms of a w8a8 step over the 30 layers. Here the
-// exponential is inline (a degree-5 polynomial on [-ln2/2, ln2/2] and vscalefps for 2^n, which
-// also gives 0 and inf past the float range without a clamp) and the rows are read twice
-// from L1 instead of through a buffer.
+// exponential is inline (decode_tasks.h's exp512, which decode attention's softmax uses too)
+// and the rows are read twice from L1 instead of through a buffer.
 //
 // Rounding: one rounding to T per output, as the scalar kernels; bfloat16 narrows with
 // vcvtneps2bf16 (nearest even; NaN stays NaN), which the int8 GEMM's epilogue uses too.
@@ -19,16 +18,18 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "decode_tasks.h"
+
 namespace radixlm {
 namespace rowwise {
 
 inline __mmask16 tail_mask(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
+// bfloat16 bits -> float32: a 16-bit shift.
+inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const uint16_t* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
@@ -36,27 +37,7 @@ inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
 
 // The value a store to T keeps (float: itself; bfloat16: rounded to nearest even).
 inline __m512 round_to(float*, __m512 v) { return v; }
-inline __m512 round_to(uint16_t*, __m512 v) {
-  const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// e^x: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two so r keeps its low bits), e^r by the
-// classic single-precision minimax polynomial (about 1 ulp), times 2^n by vscalefps.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+inline __m512 round_to(uint16_t*, __m512 v) { return widen((__m256i)_mm512_cvtneps_pbh(v)); }
 
 // o[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, e^-g capped at e^80: built with -ffast-math, gcc
 // turns the division into a reciprocal estimate and a Newton step, which gives 0 * inf = NaN
@@ -67,7 +48,7 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int I) {
   for (int i = 0; i < I; i += 16) {
     const __mmask16 m = tail_mask(I - i);
     const __m512 gv = load16(g + i, m);
-    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.f)));
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.f)));
     store16(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), load16(u + i, m)));
   }
 }
