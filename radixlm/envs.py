@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "bf16_gemm_enabled", "float_gemm_forced", "num_threads",
+__all__ = ["cpu_kernels_enabled", "hugepages_enabled", "mkldnn_pack_enabled", "bf16_gemm_enabled", "fused_decode_enabled",
+           "float_gemm_forced", "num_threads",
            "cache_dir", "tp_backend", "CHILD_ENV"]
 
 # The scheduler and detokenizer never reach the Hugging Face Hub: a serving machine may be
@@ -39,6 +40,12 @@ def mkldnn_pack_enabled() -> bool:
 def bf16_gemm_enabled() -> bool:
     """RADIXLM_BF16_GEMM=0: bf16 linears through oneDNN instead of the native AVX512-BF16 GEMM."""
     return _on("RADIXLM_BF16_GEMM")
+
+
+def fused_decode_enabled() -> bool:
+    """RADIXLM_FUSED_DECODE=0: a decode step's layers through the Python layers (one native
+    call per op) instead of one native call for all of them (kernels/cpu/decode_layers.cpp)."""
+    return _on("RADIXLM_FUSED_DECODE")
 
 
 def float_gemm_forced() -> bool | None:

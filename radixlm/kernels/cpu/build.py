@@ -1,5 +1,5 @@
 """Compile the native CPU kernels (cpu_ops.cpp, quant_ops.cpp, sample_ops.cpp, kv_int8_ops.cpp, float_gemm.cpp,
-bf16_gemm.cpp, extend_attention.cpp) with the system C++ compiler on first use and load it with ctypes.
+bf16_gemm.cpp, extend_attention.cpp, decode_layers.cpp) with the system C++ compiler on first use and load it with ctypes.
 
 A plain shared library (no torch headers, no Python C API) compiles in about a second,
 so no build step is needed at install time and a machine without a compiler still runs
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
-           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp"]
+           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp"]
 HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
            _HERE / "rowwise_avx512.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]

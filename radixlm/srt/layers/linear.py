@@ -83,6 +83,10 @@ def linear_packed(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
 
 
 class Linear(nn.Module):
+    # Bumped whenever any Linear drops its derived copies: whoever caches pointers into them
+    # (models/fused_decode.py) rebuilds when it changes.
+    generation = 0
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -101,6 +105,15 @@ class Linear(nn.Module):
         self._packed = None
         self._pack_ok = None
         self._int8 = None
+        Linear.generation += 1
+
+    def packed_weight(self) -> Packed | None:
+        """The packed copy of the float weight this Linear multiplies through (built on first
+        use), or None where it calls F.linear."""
+        if self._pack_ok is None:
+            self._packed = pack_for(self.weight)
+            self._pack_ok = self._packed is not None
+        return self._packed
 
     def int8_weight(self) -> Int8Weight:
         """The int8 copy of the weight, built if missing."""
@@ -111,10 +124,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantization is not None:
             return int8_linear(x, self.int8_weight(), self.bias)
-        if self._pack_ok is None:
-            self._packed = pack_for(self.weight)
-            self._pack_ok = self._packed is not None
-        return linear_packed(x, self.weight, self._packed, self.bias)
+        return linear_packed(x, self.weight, self.packed_weight(), self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

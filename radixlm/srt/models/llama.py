@@ -28,6 +28,7 @@ from radixlm.srt.layers.norm import RMSNorm
 from radixlm.srt.layers.rotary import BatchRope, RotaryEmbedding
 from radixlm.srt.model_runner.attention.base import AttentionBackend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch
+from radixlm.srt.models.fused_decode import FusedDecode
 
 
 class LlamaAttention(nn.Module):
@@ -113,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self._tied_head_pack_tried = False  # pack_for is None on CPUs where F.linear is best
         self.quantization: str | None = None
         self._tied_head_int8: Int8Weight | None = None
+        self._fused_decode = FusedDecode(self)
 
     def set_quantization(self, method: str | None) -> None:
         """Multiply every Linear (LM head included) through int8 copies of the weights
@@ -153,6 +155,9 @@ class LlamaForCausalLM(nn.Module):
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.
         rope = BatchRope.build(self.rotary, fb.positions, hidden.dtype, max_len)
+        fused = self._fused_decode.forward(fb, attn, hidden, rope)  # None: not a step it takes
+        if fused is not None:
+            return fused
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer.forward(hidden, residual, rope, fb, attn)

@@ -95,6 +95,15 @@ class CpuNativeAttention(TorchNativeAttention):
         fb.attn_metadata = _NativeDecode(build_indptr(fb.seq_lens, torch.int64),  # seq_lens is int64
                                          build_kv_indices(fb.req_to_token, rows, fb.seq_lens, max(lens)))
 
+    def decode_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(kv_indptr, kv_indices) when this step's attention is the decode kernel over each
+        request's rows, as forward() runs it (no shared prefix), else None: what a caller
+        that runs the whole layer natively (models/fused_decode.py) may do in its place."""
+        meta = fb.attn_metadata
+        if not isinstance(meta, _NativeDecode) or meta.shared_index is not None:
+            return None
+        return meta.kv_indptr, meta.kv_indices
+
     def _init_short_extend(self, fb: ForwardBatch) -> bool:
         """Token t of a request at position pos attends to its first pos + 1 slots: one CSR
         row per new token. False (torch_native's path) for long extends."""

@@ -1,0 +1,162 @@
+// The decoder layers of one decode step (Llama-shaped: pre-norm attention and gated MLP with
+// the residual add fused into the next norm) as one call from Python.
+//
+// Why: the model's Python code calls ~12 native ops per layer, and each call costs 5-11 us of
+// Python (argument checks, torch.empty for the output, ctypes' conversion of 10-18 arguments)
+// while the second core waits. At the default model's 30 layers that was ~4 ms of a 9 ms
+// batch-1 step and ~3 ms of a 24 ms batch-32 step (w8a8, measured with a same-depth model of
+// hidden size 64, whose kernels take next to nothing). Here the same kernels run in the same
+// order with the same arguments, so the result is bit for bit the Python path's
+// (radixlm/srt/models/llama.py, LlamaDecoderLayer.forward): only the calls between them are gone.
+//
+// Contract (radixlm/kernels/cpu/decode_layers.py builds the tables):
+//   residual [B, H] (model dtype) holds the embeddings on entry and the residual stream on exit;
+//   out [B, H] receives norm(last layer's output + residual) with final_norm's weight.
+// Intermediate activations live in per-thread scratch that only grows.
+
+#include <stdint.h>
+#include <string.h>
+#include <vector>
+
+extern "C" {
+int radixlm_add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
+                        int64_t n, int H, float eps, int nthreads);
+int radixlm_rope_inplace(int dtype, void* x, int64_t n, int64_t x_stride, int nheads, int D, const int64_t* pos,
+                         const float* cos_t, const float* sin_t, int nthreads);
+int radixlm_silu_mul(int dtype, const void* gu, void* out, int64_t n, int I, int nthreads);
+int radixlm_store_kv(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* kbuf,
+                     void* vbuf, const int64_t* loc, int64_t n, int64_t row);
+int radixlm_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k, const void* v,
+                             const int64_t* indptr, const int64_t* indices, void* out, int64_t out_stride,
+                             float* lse, int B, int Hq, int Hkv, int D, float scale, int nthreads);
+int radixlm_store_kv_int8(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride, int8_t* kq,
+                          int8_t* vq, float* ks, float* vs, const int64_t* loc, int64_t n, int Hkv, int D,
+                          int nthreads);
+int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, const int8_t* k, const int8_t* v,
+                                  const float* ks, const float* vs, const int64_t* indptr, const int64_t* indices,
+                                  void* out, int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D,
+                                  float scale, int nthreads);
+int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                        const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                        void* out, int64_t out_stride, int nthreads);
+int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
+                        const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads);
+int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, int w_dtype,
+                         const void* packed, int N, int out_dtype, const void* bias, void* out, int64_t out_stride,
+                         int nthreads);
+}
+
+namespace {
+
+// Every field is 8 bytes wide, so the ctypes mirror (decode_layers.py) has no padding to match.
+enum LinearKind : int64_t { kInt8 = 1, kBf16Panels = 2, kFloatPanels = 3 };
+
+struct Linear {
+  int64_t kind, n, k, w_dtype;  // w_dtype: the float panels' dtype code (kFloatPanels only)
+  const void* w;                // int8: packed tiles; otherwise the panels
+  const void* comp;             // int8 only
+  const void* scale;            // int8 only
+  const void* bias;             // in the model dtype, or null
+};
+
+struct Layer {
+  const void* in_norm;
+  const void* post_norm;
+  Linear qkv, o, gate_up, down;
+  void* k_buf;
+  void* v_buf;
+  float* k_scale;  // null: a float32/bf16 pool of the model dtype; else an int8 pool's scales
+  float* v_scale;
+};
+
+struct Step {
+  int64_t dtype, batch, hidden, heads, kv_heads, head_dim, intermediate, nthreads;
+  double eps, scale;
+  const int64_t* positions;
+  const float* cos;
+  const float* sin;
+  const int64_t* out_loc;
+  const int64_t* kv_indptr;
+  const int64_t* kv_indices;
+};
+
+int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, int nt) {
+  switch (L.kind) {
+    case kInt8:
+      return radixlm_int8_linear(dtype, x, L.k, M, (int)L.k, (const int8_t*)L.w, (const int32_t*)L.comp,
+                                 (const float*)L.scale, (int)L.n, dtype, L.bias, out, L.n, nt);
+    case kBf16Panels:
+      return radixlm_bf16_linear(x, L.k, M, (int)L.k, L.w, (int)L.n, L.bias, dtype, out, L.n, nt);
+    case kFloatPanels:
+      return radixlm_float_linear(dtype, x, L.k, M, (int)L.k, (int)L.w_dtype, L.w, (int)L.n, dtype, L.bias, out,
+                                  L.n, nt);
+    default:
+      return -100;
+  }
+}
+
+// Error codes: 1000 * (layer + 1) + the op that failed (its own code is lost: they are all
+// "unsupported shape or build", which decode_layers.py checks before calling).
+inline int fail(int64_t layer, int op) { return (int)(1000 * (layer + 1) + op); }
+
+}  // namespace
+
+extern "C" {
+
+int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers, void* residual,
+                          const void* final_norm, void* out) {
+  const int c = (int)s->dtype, nt = (int)s->nthreads;
+  const int64_t B = s->batch, H = s->hidden, Hq = s->heads, Hkv = s->kv_heads, D = s->head_dim;
+  const int64_t I = s->intermediate, nqkv = (Hq + 2 * Hkv) * D;
+  const float eps = (float)s->eps, scale = (float)s->scale;
+  const int64_t es = c == 0 ? 4 : 2;
+  if (B <= 0) return 0;
+  static thread_local std::vector<char> scratch;
+  // normed input, qkv, attention output, a layer half's output (o or down), gate_up, SiLU*mul
+  const int64_t sizes[6] = {B * H, B * nqkv, B * Hq * D, B * H, B * 2 * I, B * I};
+  int64_t total = 0;
+  for (int64_t n : sizes) total += (n * es + 63) / 64 * 64;
+  if ((int64_t)scratch.size() < total + 64) scratch.resize(total + 64);
+  char* p = (char*)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
+  char* buf[6];
+  for (int i = 0; i < 6; ++i) {
+    buf[i] = p;
+    p += (sizes[i] * es + 63) / 64 * 64;
+  }
+  char *xn = buf[0], *qkv = buf[1], *attn = buf[2], *half = buf[3], *gu = buf[4], *act = buf[5];
+  char* const k = qkv + Hq * D * es;
+  char* const v = qkv + (Hq + Hkv) * D * es;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const Layer& L = layers[l];
+    // Layer 0 normalises the embeddings, which stay as the residual stream; later layers add
+    // the previous layer's MLP output into it first.
+    const int rc_in = l == 0 ? radixlm_add_rmsnorm(c, residual, H, nullptr, L.in_norm, xn, B, (int)H, eps, nt)
+                             : radixlm_add_rmsnorm(c, half, H, residual, L.in_norm, xn, B, (int)H, eps, nt);
+    if (rc_in) return fail(l, 1);
+    if (run_linear(L.qkv, c, xn, B, qkv, nt)) return fail(l, 2);
+    if (radixlm_rope_inplace(c, qkv, B, nqkv, (int)(Hq + Hkv), (int)D, s->positions, s->cos, s->sin, nt))
+      return fail(l, 3);
+    if (L.k_scale != nullptr) {
+      radixlm_store_kv_int8(c, k, nqkv, v, nqkv, (int8_t*)L.k_buf, (int8_t*)L.v_buf, L.k_scale, L.v_scale,
+                            s->out_loc, B, (int)Hkv, (int)D, nt);
+      if (radixlm_decode_attention_int8(c, qkv, nqkv, (const int8_t*)L.k_buf, (const int8_t*)L.v_buf, L.k_scale,
+                                        L.v_scale, s->kv_indptr, s->kv_indices, attn, Hq * D, nullptr, (int)B,
+                                        (int)Hq, (int)Hkv, (int)D, scale, nt))
+        return fail(l, 4);
+    } else {
+      radixlm_store_kv(c, k, nqkv, v, nqkv, L.k_buf, L.v_buf, s->out_loc, B, Hkv * D);
+      if (radixlm_decode_attention(c, qkv, nqkv, L.k_buf, L.v_buf, s->kv_indptr, s->kv_indices, attn, Hq * D,
+                                   nullptr, (int)B, (int)Hq, (int)Hkv, (int)D, scale, nt))
+        return fail(l, 4);
+    }
+    if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
+    if (radixlm_add_rmsnorm(c, half, H, residual, L.post_norm, xn, B, (int)H, eps, nt)) return fail(l, 6);
+    if (run_linear(L.gate_up, c, xn, B, gu, nt)) return fail(l, 7);
+    radixlm_silu_mul(c, gu, act, B, (int)I, nt);
+    if (run_linear(L.down, c, act, B, half, nt)) return fail(l, 8);
+  }
+  if (num_layers == 0) return radixlm_add_rmsnorm(c, residual, H, nullptr, final_norm, out, B, (int)H, eps, nt);
+  return radixlm_add_rmsnorm(c, half, H, residual, final_norm, out, B, (int)H, eps, nt) ? fail(num_layers, 9) : 0;
+}
+
+}  // extern "C"
