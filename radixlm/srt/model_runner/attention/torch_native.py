@@ -170,7 +170,7 @@ class TorchNativeAttention(AttentionBackend):
             return 0  # a device table would need a sync here; not worth it
         if limit < self.min_shared_prefix:
             return 0
-        table = fb.req_to_token.index_select(0, self._pool_rows(fb))[:, :limit]
+        table = fb.req_to_token[:, :limit].index_select(0, self._pool_rows(fb))
         same = (table == table[:1]).all(0)
         # Leading run of True; argmin finds the first False (0 if the run covers all).
         p = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
@@ -185,7 +185,7 @@ class TorchNativeAttention(AttentionBackend):
         suffix = [n - shared for n in lens]
         max_len = max(suffix)
         pool_rows = self._pool_rows(fb, positions)
-        kv_index = fb.req_to_token.index_select(0, pool_rows)[:, shared:shared + max_len].to(device)
+        kv_index = fb.req_to_token[:, shared:shared + max_len].index_select(0, pool_rows).to(device)
         mask = None
         if min(suffix) != max_len:
             lens_t = torch.tensor(suffix, dtype=torch.int64, device=device)
@@ -212,7 +212,7 @@ class TorchNativeAttention(AttentionBackend):
             max_len = max(g_lens)
             rows = None if len(plan) == 1 else torch.tensor(members, dtype=torch.int64, device=device)
             pool_rows = self._pool_rows(fb, None if rows is None else members)
-            kv_index = fb.req_to_token.index_select(0, pool_rows)[:, :max_len].to(device)
+            kv_index = fb.req_to_token[:, :max_len].index_select(0, pool_rows).to(device)
             mask = None
             if min(g_lens) != max_len:
                 lens_t = torch.tensor(g_lens, dtype=torch.int64, device=device)
