@@ -1,4 +1,6 @@
-"""A decode step's decoder layers as one native call (kernels/cpu/decode_layers.cpp).
+"""The decoder layers of a forward whose attention is decode-style rows (a decode step, or a
+batch of short extends: every new token one row over its causal keys) as one native call
+(kernels/cpu/decode_layers.cpp).
 
 The Python layers (llama.py) call ~12 native kernels per layer, each behind 5-11 us of Python;
 over 30 layers that was ~4 ms of a 9 ms batch-1 decode step of the default model in w8a8.
@@ -28,7 +30,7 @@ from radixlm.srt.layers import bf16_gemm, float_gemm
 from radixlm.srt.layers.linear import Linear
 from radixlm.srt.layers.rotary import BatchRope
 from radixlm.srt.model_runner.attention.cpu import CpuNativeAttention
-from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
+from radixlm.srt.model_runner.forward_batch import ForwardBatch
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -68,9 +70,10 @@ class FusedDecode:
         self._ineligible_generation: int | None = None  # static check failed at this generation
 
     def forward(self, fb: ForwardBatch, attn, hidden: torch.Tensor, rope: BatchRope) -> torch.Tensor | None:
-        """The final-normed hidden states of a decode step, or None (the caller runs its Python
-        layers). `hidden` holds the embeddings and is used as the residual stream, as there."""
-        if fb.mode != ForwardMode.DECODE or not isinstance(attn, CpuNativeAttention):
+        """The final-normed hidden states of every token of the batch, or None (the caller runs
+        its Python layers). `hidden` holds the embeddings and is used as the residual stream, as
+        there. Long extends (the prefill kernel) are not taken: their time is in the kernels."""
+        if not isinstance(attn, CpuNativeAttention):
             return None
         if not envs.fused_decode_enabled() or self._ineligible_generation == Linear.generation:
             return None

@@ -1,8 +1,8 @@
-"""A decode step's layers as one native call (models/fused_decode.py) against the Python layers
-it replaces: the same hidden states and the same KV writes, bit for bit, in every dtype,
-quantization and KV cache dtype it takes; rebuilt after a weight update and after the KV pool is
-released and allocated again; declined where the Python layers do something else (a shared
-prefix's cascade attention, prefill)."""
+"""Decoder layers as one native call (models/fused_decode.py: decode steps and short extends)
+against the Python layers it replaces: the same hidden states and the same KV writes, bit for
+bit, in every dtype, quantization and KV cache dtype it takes; rebuilt after a weight update and
+after the KV pool is released and allocated again; declined where the Python layers do something
+else (a shared prefix's cascade attention, a long extend's prefill kernel)."""
 from __future__ import annotations
 
 import pytest
@@ -81,18 +81,21 @@ def _skip_unless_native_linears(s: Setup) -> None:
             pytest.skip("this CPU multiplies some linear outside radixlm's native GEMMs")
 
 
-def _decode_both_ways(s: Setup, monkeypatch, ran: list[int], rows, prefix) -> bool:
-    """One decode step run fused, then again through the Python layers over the same KV state (the
-    step writes the same rows either way): equal outputs and KV. Whether the fused path ran."""
+def _decode_both_ways(s: Setup, monkeypatch, ran: list[int], rows, prefix, ext=None) -> bool:
+    """One forward (a decode step, or extends of `ext` tokens) run fused, then again through the
+    Python layers over the same KV state (it writes the same rows either way): equal outputs and
+    KV. Whether the fused path ran."""
+    mode = ForwardMode.DECODE if ext is None else ForwardMode.EXTEND
+    ext = ext or [1] * len(rows)
     before = ran[0]
     monkeypatch.setenv("RADIXLM_FUSED_DECODE", "1")
     gen_state = s.gen.get_state()
-    _, fused = s.forward(ForwardMode.DECODE, rows, prefix, [1] * len(rows))
+    _, fused = s.forward(mode, rows, prefix, ext)
     kv_fused = s.kv()
     took = ran[0] > before
     monkeypatch.setenv("RADIXLM_FUSED_DECODE", "0")
     s.gen.set_state(gen_state)
-    _, plain = s.forward(ForwardMode.DECODE, rows, prefix, [1] * len(rows))
+    _, plain = s.forward(mode, rows, prefix, ext)
     assert ran[0] == before + took  # the switch is honoured
     assert torch.equal(fused, plain)
     for a, b in zip(kv_fused, s.kv()):
@@ -120,12 +123,15 @@ def test_fused_decode_matches_python_layers(request, monkeypatch, fixture, dtype
         pytest.skip("no native int8 decode attention on this CPU")
     _skip_unless_native_linears(s)
     ran = _count_fused(monkeypatch)
-    s.forward(ForwardMode.EXTEND, [0, 1, 2], [0, 0, 0], [30, 9, 17])
-    assert ran[0] == 0  # prefill is never fused
+    # Short extends are decode-style rows (one per new token): fused too.
+    assert _decode_both_ways(s, monkeypatch, ran, [0, 1, 2], [0, 0, 0], [30, 9, 17])
     assert _decode_both_ways(s, monkeypatch, ran, [0, 1, 2], [30, 9, 17])
-    s.forward(ForwardMode.EXTEND, [3], [0], [5])
+    assert _decode_both_ways(s, monkeypatch, ran, [3], [0], [5])
     assert _decode_both_ways(s, monkeypatch, ran, [2, 3, 0], [18, 5, 31])  # ragged, reordered
     assert _decode_both_ways(s, monkeypatch, ran, [1], [10])  # batch 1
+    # A long extend (past SHORT_EXTEND) takes the prefill kernel or SDPA: never fused.
+    assert not _decode_both_ways(s, monkeypatch, ran, [1], [11], [80])
+    assert _decode_both_ways(s, monkeypatch, ran, [1], [91])
 
 
 def test_fused_decode_declines_a_shared_prefix(tiny_llama_dir, monkeypatch):

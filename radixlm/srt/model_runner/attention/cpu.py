@@ -96,9 +96,10 @@ class CpuNativeAttention(TorchNativeAttention):
                                          build_kv_indices(fb.req_to_token, rows, fb.seq_lens, max(lens)))
 
     def decode_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(kv_indptr, kv_indices) when this step's attention is the decode kernel over each
-        request's rows, as forward() runs it (no shared prefix), else None: what a caller
-        that runs the whole layer natively (models/fused_decode.py) may do in its place."""
+        """(kv_indptr, kv_indices) when this forward's attention is the decode kernel over one
+        CSR row per token, as forward() runs it (a decode step or short extends, no shared
+        prefix), else None: what a caller that runs the whole layer natively
+        (models/fused_decode.py) may do in its place."""
         meta = fb.attn_metadata
         if not isinstance(meta, _NativeDecode) or meta.shared_index is not None:
             return None
