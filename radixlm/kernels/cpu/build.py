@@ -75,6 +75,7 @@ _SIGNATURES = {
                                       _INT, _INT, ctypes.c_float, _I64, _INT],
     "radixlm_decode_attention_int8": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                                       _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
+    "radixlm_decode_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR],
 }
 
 

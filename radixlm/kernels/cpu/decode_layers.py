@@ -1,4 +1,4 @@
-"""The decoder layers of one decode step as one native call (decode_layers.cpp).
+"""The decoder layers of a decode-style forward (a decode step, or short extends) as one native call (decode_layers.cpp).
 
 The caller (radixlm/srt/models/fused_decode.py) describes each layer once, by the tensors its
 kernels read, as a `LayerSpec`; `DecodeLayers` keeps those tensors alive, holds the table of
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.cpu.build import load
+from radixlm.kernels.cpu.ops import _DTYPE_CODE
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 INT8, BF16_PANELS, FLOAT_PANELS = 1, 2, 3  # decode_layers.cpp LinearKind
 
 
@@ -67,11 +67,6 @@ class LayerSpec:
     v_scale: torch.Tensor | None = None
 
 
-def available() -> bool:
-    lib = load()
-    return lib is not None and hasattr(lib, "radixlm_decode_layers")
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -92,9 +87,6 @@ class DecodeLayers:
         if lib is None:
             raise RuntimeError("the native CPU kernels are not available")
         self._fn = lib.radixlm_decode_layers
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                             ctypes.c_void_p]
-        self._fn.restype = ctypes.c_int
         self._keep = (layers, final_norm)
         self._table = (_Layer * len(layers))(*[
             _Layer(_ptr(s.in_norm), _ptr(s.post_norm), _linear(s.qkv), _linear(s.o), _linear(s.gate_up),

@@ -26,6 +26,7 @@ import torch
 
 import radixlm.envs as envs
 from radixlm.kernels.cpu import decode_layers as native
+from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.layers import bf16_gemm, float_gemm
 from radixlm.srt.layers.linear import Linear
 from radixlm.srt.layers.rotary import BatchRope
@@ -110,7 +111,7 @@ class FusedDecode:
 
     def _build(self, attn: CpuNativeAttention) -> native.DecodeLayers | None:
         model, dtype = self.model, self.model.dtype
-        if model.tp.size != 1 or dtype not in _DTYPES or not native.available() or not attn.native_decode:
+        if model.tp.size != 1 or dtype not in _DTYPES or not cpu_ops.available() or not attn.native_decode:
             return None
         layers = list(model.model.layers)
         norms = [model.model.norm] + [n for layer in layers

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.kernels.cpu import decode_layers
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.layers.linear import Linear
 from radixlm.srt.model_runner.attention.base import create_attention_backend
@@ -19,7 +18,7 @@ from radixlm.srt.models import fused_decode
 from radixlm.srt.models.registry import build_model
 from radixlm.srt.weights.loader import iter_weights, load_model_config
 
-pytestmark = pytest.mark.skipif(not decode_layers.available(), reason="native CPU kernels could not be built")
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="native CPU kernels could not be built")
 
 
 @pytest.fixture(scope="module")
