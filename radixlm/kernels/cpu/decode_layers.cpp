@@ -1,5 +1,6 @@
-// The decoder layers of a decode-style forward (a decode step or short extends: one attention row per token)
-// the residual add fused into the next norm) as one call from Python.
+// The decoder layers of a decode-style forward (a decode step or short extends: one attention row
+// per token; Llama-shaped: pre-norm attention and gated MLP with the residual add fused into the
+// next norm) as one call from Python.
 //
 // Why: the model's Python code calls ~12 native ops per layer, and each call costs 5-11 us of
 // Python (argument checks, torch.empty for the output, ctypes' conversion of 10-18 arguments)
