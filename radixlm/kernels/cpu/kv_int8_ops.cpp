@@ -9,13 +9,12 @@
 // bytes (and twice the tokens fit in the same memory).
 //
 // Scores: the query is quantized per head to int8 as well (llama.cpp does the same for its
-// q8_0 K cache), so q . k over 64 dims is one vpdpbusd: the key bytes flipped to unsigned
-// (k + 128, an XOR of the sign bit) times the signed query, minus 128 * sum(q) of the head,
-// then times q_scale * k_scale * softmax scale. 16 keys' lane sums are reduced together by a
-// transpose-add tree. P @ V in float32: a block's values are widened to float once per KV
-// head into a scratch block that each of its query heads reads, with the value scales folded
-// into the probabilities.
-
+// q8_0 K cache), so q . k over 64 dims is 16 vpdpbusd lanes: the key bytes flipped to
+// unsigned (k + 128, an XOR of the sign bit) times the signed query, minus 128 * sum(q) of
+// the head, then times q_scale * k_scale * softmax scale. A 16-key block's rows are
+// transposed once per KV head (a vector per 4 dimensions, a lane per key) and shared by its
+// query heads. P @ V in integers: the probabilities times the value scales as int16 against
+// the chunk's largest, the values sign-extended to int16, two keys per vpdpwssd.
 //
 // On AVX2 + FMA without AVX-512 (RADIXLM_KV_INT8_AVX2) the same scheme in 8-lane vectors:
 // q . k by the sign trick of quant_ops.cpp (vpmaddubsw of |q| and k with q's sign, then
@@ -97,51 +96,104 @@ void gather_dequant(const int8_t* q, const float* scale, const int64_t* idx, int
 }
 
 #ifdef RADIXLM_KV_INT8
-// a[0..15] -> one vector whose lane j is the sum of a[j]'s 16 lanes (hsum16 of
-// decode_tasks.h in int32).
-inline __m512i hsum16i(const __m512i* a) {
-  __m512i x[8], z[4];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    z[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(x[2 * i], x[2 * i + 1]), _mm512_unpackhi_epi64(x[2 * i], x[2 * i + 1]));
-  const __m512i w0 = _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], 0x88), _mm512_shuffle_i32x4(z[0], z[1], 0xDD));
-  const __m512i w1 = _mm512_add_epi32(_mm512_shuffle_i32x4(z[2], z[3], 0x88), _mm512_shuffle_i32x4(z[2], z[3], 0xDD));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(w0, w1, 0x88), _mm512_shuffle_i32x4(w0, w1, 0xDD));
+// r[j] (16 dwords each) -> r[i] lane j = the old r[j] lane i: a 16 x 16 transpose of dwords
+// in four rounds of two-input shuffles (pairs of dwords, of quadwords, then 128-bit lanes).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4i + k], 128-bit lane L: rows 4i..4i+3, each its dword 4L + k
+  __m512i u[16];
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v01 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), w01 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i v23 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE), w23 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(v01, w01, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(v01, w01, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(v23, w23, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(v23, w23, 0xDD);
+  }
 }
 
 // Keys per softmax step: scores of a whole chunk are computed first, then one max / exp /
 // sum pass and one rescale of the accumulators per chunk. Per 16-key block (the bf16
 // kernel's structure) the serial max -> exp -> sum chain of every query head dominated.
 constexpr int kChunk = 128;
-constexpr int kFetchHeads = 3;  // query heads whose passes share a block's row fetches
 
 // Query heads whose P @ V accumulators stay in registers together: GN * 4 * NC zmm
-// accumulators + 4 * NC widened values + a broadcast fit the 32 registers.
+// accumulators + 4 * NC interleaved values + a broadcast fit the 32 registers.
 template <int NC>
 constexpr int pv_tile() { return NC == 1 ? 4 : NC == 2 ? 2 : 1; }
 
-// acc[GN][D] += sum over the chunk's keys j < nc of w[g][j] * value row j (int8, widened
-// to float once per key for all GN heads); vbuf points at the KV head in slot 0.
+// acc[GN][D] += sum over the chunk's keys j < nc of w[g][j] * value row j; vbuf points at
+// the KV head in slot 0. Integer products: each head's weights become int16 against the
+// chunk's largest (q = w * 32767 / wmax, rounded), the values are sign-extended to int16,
+// and vpdpwssd takes two keys per instruction, their words interleaved per dimension. The
+// float kernel widened every value to float and spent 4 * NC FMAs per key and head; this
+// spends 2 * NC vpdpwssd per key and head plus 4 * NC widenings per key pair shared by the
+// heads. The weights keep 15 bits against the largest of the chunk (the values have 7), and
+// a head whose chunk weighs under 1e-30 (its keys ~69 nats below an earlier chunk's maximum)
+// adds nothing. The int32 sums stay below 2^31: 128 keys * 32767 * 127 * 2 / 2.
 template <int NC, int GN>
 inline void pv_heads(const int8_t* vbuf, int64_t row, const int64_t* slot, int nc, const float (*w)[kChunk],
                      float* acc) {
-  constexpr int V = 4 * NC;  // 16-float vectors per head_dim
-  __m512 o[GN][V];
+  constexpr int V = 4 * NC;  // int32 accumulators (16 dimensions each) per head
+  const int nb = (nc + 15) / 16, npairs = (nc + 1) / 2;  // w is zero from nc to 16 * nb
+  alignas(64) int16_t q[GN][kChunk];
+  float fold[GN];
+  bool live[GN];
+  for (int g = 0; g < GN; ++g) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int blk = 0; blk < nb; ++blk) mx = _mm512_max_ps(mx, _mm512_load_ps(w[g] + 16 * blk));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    live[g] = wmax > 1e-30f;
+    const __m512 inv = _mm512_set1_ps(live[g] ? 32767.f / wmax : 0.f);
+    fold[g] = wmax * (1.f / 32767.f);
+    for (int blk = 0; blk < nb; ++blk)
+      _mm256_store_si256((__m256i*)(q[g] + 16 * blk),
+                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(w[g] + 16 * blk), inv))));
+  }
+  __m512i o[GN][V];
   for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < V; ++c) o[g][c] = _mm512_loadu_ps(acc + g * 64 * NC + 16 * c);
-  for (int j = 0; j < nc; ++j) {
-    const int8_t* vr = vbuf + slot[j] * row;
-    __m512 x[V];
-    for (int c = 0; c < V; ++c)
-      x[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(vr + 16 * c))));
+    for (int c = 0; c < V; ++c) o[g][c] = _mm512_setzero_si512();
+  for (int pr = 0; pr < npairs; ++pr) {
+    const int8_t* va = vbuf + slot[2 * pr] * row;
+    const int8_t* vb = vbuf + slot[2 * pr + 1] * row;  // a padding key's slot is valid, its weight 0
+    __m512i x[V];
+    for (int c = 0; c < V / 2; ++c) {  // 32 dimensions: words of the two keys interleaved
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(va + 32 * c)));
+      const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(vb + 32 * c)));
+      x[2 * c] = _mm512_unpacklo_epi16(a, b);      // dimensions 0-3, 8-11, 16-19, 24-27 of the 32
+      x[2 * c + 1] = _mm512_unpackhi_epi16(a, b);  // 4-7, 12-15, 20-23, 28-31
+    }
     for (int g = 0; g < GN; ++g) {
-      const __m512 p = _mm512_set1_ps(w[g][j]);
-      for (int c = 0; c < V; ++c) o[g][c] = _mm512_fmadd_ps(p, x[c], o[g][c]);
+      int32_t both;
+      memcpy(&both, q[g] + 2 * pr, 4);
+      const __m512i p = _mm512_set1_epi32(both);
+      for (int c = 0; c < V; ++c) o[g][c] = _mm512_dpwssd_epi32(o[g][c], p, x[c]);
     }
   }
-  for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + g * 64 * NC + 16 * c, o[g][c]);
+  // back to dimension order, times the head's weight scale, into the float accumulators
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int g = 0; g < GN; ++g) {
+    if (!live[g]) continue;
+    const __m512 f = _mm512_set1_ps(fold[g]);
+    float* ag = acc + g * 64 * NC;
+    for (int c = 0; c < V / 2; ++c) {
+      const __m512 lo = _mm512_cvtepi32_ps(o[g][2 * c]), hi = _mm512_cvtepi32_ps(o[g][2 * c + 1]);
+      _mm512_storeu_ps(ag + 32 * c, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, first, hi), f, _mm512_loadu_ps(ag + 32 * c)));
+      _mm512_storeu_ps(ag + 32 * c + 16,
+                       _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, second, hi), f, _mm512_loadu_ps(ag + 32 * c + 16)));
+    }
+  }
 }
 
 // H consecutive KV heads (G query heads each, H * G <= kMaxGroup) of one request over its
@@ -154,16 +206,14 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
   constexpr int D = 64 * NC;
   const int HG = H * G;
   const int64_t row = (int64_t)Hkv * D;
-  __m512i qv[kMaxGroup][NC];
+  alignas(64) int8_t q8[kMaxGroup][D];
   float qscale[kMaxGroup];
   int32_t qcorr[kMaxGroup];
   for (int g = 0; g < HG; ++g) {
-    alignas(64) int8_t q8[D];
-    qscale[g] = quantize_row(q + (int64_t)g * D, D, q8) * scale;
+    qscale[g] = quantize_row(q + (int64_t)g * D, D, q8[g]) * scale;
     int32_t sum = 0;
-    for (int d = 0; d < D; ++d) sum += q8[d];
+    for (int d = 0; d < D; ++d) sum += q8[g][d];
     qcorr[g] = 128 * sum;
-    for (int c = 0; c < NC; ++c) qv[g][c] = _mm512_load_si512(q8 + 64 * c);
     m[g] = kNoMax;
     l[g] = 0.f;
     for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
@@ -173,7 +223,6 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
   alignas(64) float sk[kMaxGroup][kChunk], sv[kMaxGroup][kChunk];
   alignas(64) float sc[kMaxGroup][kChunk];  // scores, then probabilities times the value scale
   for (int64_t j = k0; j < std::min<int64_t>(k1, k0 + 32); ++j) radixlm::prefetch_bytes(kbuf + idx[j] * row, (int64_t)H * D);
-  const int fetch_parts = std::min(HG, kFetchHeads);
   for (int64_t c0 = k0; c0 < k1; c0 += kChunk) {
     const int nc = (int)std::min<int64_t>(kChunk, k1 - c0);
     const int nb = (nc + 15) / 16;  // 16-key blocks; keys nc.. of the last are padding
@@ -184,39 +233,60 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
         sv[h][j] = j < nc ? vsc[slot[j] * Hkv + h] : 0.f;  // padding keys add nothing
       }
     }
-    for (int g = 0; g < HG; ++g) {
-      const int h = g / G;
-      const __m512 qs = _mm512_set1_ps(qscale[g]);
-      const __m512i qc = _mm512_set1_epi32(qcorr[g]);
-      __m512 mx = _mm512_set1_ps(kNoMax);
-      for (int blk = 0; blk < nb; ++blk) {
-        if (g < fetch_parts) {
-          // Scattered rows (see attend_range_bf16 in cpu_ops.cpp): keys 32 ahead, and this
-          // block's values, used after the chunk's scores; the block's fetches are split over
-          // the first kFetchHeads query heads' passes, so they do not fill the miss buffers in
-          // one burst ahead of the scores' loads. Batch 32, 30 layers, interleaved rows, builds
-          // alternated in one process: 200 keys 6.4 -> 5.8 ms, 1,000 keys 30.6 -> 26.9 (all
-          // in the first head's pass, as before, or over 9 heads: 6.1 and 27.7).
-          const int64_t jb = c0 + 16 * blk, n = std::min<int64_t>(k1, jb + 16) - jb;
-          for (int64_t j = jb + n * g / fetch_parts, j1 = jb + n * (g + 1) / fetch_parts; j < j1; ++j) {
-            if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
-            radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
+    // Scores: per 16-key block and KV head, the 16 key rows are loaded once, transposed
+    // (a vector per 4 dimensions, a lane per key) and shared by the head's G query heads,
+    // each a vpdpbusd per 4 dimensions against its query's 4 bytes broadcast, with no
+    // horizontal sums. Integer sums, so the scores equal the per-row dot products exactly.
+    __m512 mxv[kMaxGroup];
+    for (int g = 0; g < HG; ++g) mxv[g] = _mm512_set1_ps(kNoMax);
+    for (int blk = 0; blk < nb; ++blk) {
+      const __mmask16 valid = radixlm::valid16(nc, blk);
+      for (int h = 0; h < H; ++h) {
+        // Scattered rows (see attend_range_bf16 in cpu_ops.cpp): keys 32 ahead, and this
+        // block's values, used after the chunk's scores; the block's fetches are split over
+        // its KV heads' passes so they do not fill the miss buffers in one burst ahead of
+        // the scores' loads.
+        const int64_t jb = c0 + 16 * blk, n = std::min<int64_t>(k1, jb + 16) - jb;
+        for (int64_t j = jb + n * h / H, j1 = jb + n * (h + 1) / H; j < j1; ++j) {
+          if (j + 32 < k1) radixlm::prefetch_bytes(kbuf + idx[j + 32] * row, (int64_t)H * D);
+          radixlm::prefetch_bytes(vbuf + idx[j] * row, (int64_t)H * D);
+        }
+        __m512i dot[kMaxGroup];
+        for (int gi = 0; gi < G; ++gi) dot[gi] = _mm512_setzero_si512();
+        for (int c = 0; c < NC; ++c) {
+          __m512i t[16];
+          for (int j = 0; j < 16; ++j)
+            t[j] = _mm512_xor_si512(_mm512_loadu_si512(kbuf + slot[16 * blk + j] * row + (int64_t)h * D + 64 * c), flip);
+          transpose16(t);
+          for (int gi = 0; gi < G; ++gi) {
+            int32_t qd[16];
+            memcpy(qd, q8[h * G + gi] + 64 * c, 64);
+            __m512i a0 = dot[gi], a1 = _mm512_setzero_si512(), a2 = a1, a3 = a1;  // four chains
+            for (int i = 0; i < 16; i += 4) {
+              a0 = _mm512_dpbusd_epi32(a0, t[i], _mm512_set1_epi32(qd[i]));
+              a1 = _mm512_dpbusd_epi32(a1, t[i + 1], _mm512_set1_epi32(qd[i + 1]));
+              a2 = _mm512_dpbusd_epi32(a2, t[i + 2], _mm512_set1_epi32(qd[i + 2]));
+              a3 = _mm512_dpbusd_epi32(a3, t[i + 3], _mm512_set1_epi32(qd[i + 3]));
+            }
+            dot[gi] = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
           }
         }
-        __m512i a[16];
-        for (int j = 0; j < 16; ++j) {
-          const int8_t* kr = kbuf + slot[16 * blk + j] * row + (int64_t)h * D;
-          a[j] = _mm512_setzero_si512();
-          for (int c = 0; c < NC; ++c)
-            a[j] = _mm512_dpbusd_epi32(a[j], _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * c), flip), qv[g][c]);
+        const __m512 skv = _mm512_load_ps(sk[h] + 16 * blk);
+        for (int gi = 0; gi < G; ++gi) {
+          const int g = h * G + gi;
+          const __m512 s = _mm512_mul_ps(
+              _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[gi], _mm512_set1_epi32(qcorr[g]))),
+                            _mm512_set1_ps(qscale[g])),
+              skv);
+          const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), valid, s);
+          _mm512_store_ps(sc[g] + 16 * blk, sm);
+          mxv[g] = _mm512_max_ps(mxv[g], sm);
         }
-        const __mmask16 valid = radixlm::valid16(nc, blk);
-        const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hsum16i(a), qc)), qs),
-                                       _mm512_load_ps(sk[h] + 16 * blk));
-        const __m512 sm = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), valid, s);
-        _mm512_store_ps(sc[g] + 16 * blk, sm);
-        mx = _mm512_max_ps(mx, sm);
       }
+    }
+    for (int g = 0; g < HG; ++g) {
+      const int h = g / G;
+      const __m512 mx = mxv[g];
       const float bm = std::max(m[g], _mm512_reduce_max_ps(mx));
       const float corr = expf(m[g] - bm);  // 0 on the first chunk
       const __m512 vbm = _mm512_set1_ps(bm);
@@ -251,7 +321,8 @@ void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int
 #ifdef RADIXLM_KV_INT8_AVX2
 using radixlm::kChunkAvx2;
 
-// attend_range_int8 of the AVX-512 kernel, same contract and arithmetic, in 8-key blocks.
+// attend_range_int8 of the AVX-512 kernel, same contract and the same scores, in 8-key blocks;
+// P @ V in float32 (pv_chunk of decode_tasks.h).
 template <typename T, int NC>  // D = 64 * NC
 void attend_range_int8(const T* q, float scale, int G, int H, int Hkv, const int8_t* kbuf, const int8_t* vbuf,
                        const float* ksc, const float* vsc, const int64_t* idx, int64_t k0, int64_t k1,

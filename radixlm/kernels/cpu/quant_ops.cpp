@@ -193,9 +193,12 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_FACC
   for (int g = 0; g < ng; ++g) {
     pf.some();
+    // The sums start at -comp, so they end as dot - comp without a subtraction per group.
+    const int32_t* cg = comp + g * kTileCols;
     const __m512i z = _mm512_setzero_si512();
-    __m512i c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z;
-    __m512i c50 = z, c51 = z;
+    const __m512i k0 = _mm512_sub_epi32(z, _mm512_loadu_si512(cg)), k1 = _mm512_sub_epi32(z, _mm512_loadu_si512(cg + 16));
+    __m512i c00 = k0, c01 = k1, c10 = k0, c11 = k1, c20 = k0, c21 = k1, c30 = k0, c31 = k1, c40 = k0, c41 = k1;
+    __m512i c50 = k0, c51 = k1;
     const int8_t* wg = wt + (int64_t)g * kQuadsPerGroup * 128;
     const uint8_t* xg = xq + g * kGroup;
 #pragma GCC unroll 8
@@ -214,13 +217,11 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_ROW
     }
     // f += x_scale[m][g] * (dot - comp[g])
-    const int32_t* cg = comp + g * kTileCols;
-    const __m512i k0 = _mm512_loadu_si512(cg), k1 = _mm512_loadu_si512(cg + 16);
-#define RADIXLM_FOLD(m)                                                                       \
-  if constexpr (MR > m) {                                                                     \
-    const __m512 s = _mm512_set1_ps(xscale[m * ng + g]);                                      \
-    f##m##0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c##m##0, k0)), s, f##m##0); \
-    f##m##1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c##m##1, k1)), s, f##m##1); \
+#define RADIXLM_FOLD(m)                                                 \
+  if constexpr (MR > m) {                                               \
+    const __m512 s = _mm512_set1_ps(xscale[m * ng + g]);                \
+    f##m##0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##m##0), s, f##m##0); \
+    f##m##1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##m##1), s, f##m##1); \
   }
     RADIXLM_FOLD(0) RADIXLM_FOLD(1) RADIXLM_FOLD(2) RADIXLM_FOLD(3) RADIXLM_FOLD(4) RADIXLM_FOLD(5)
 #undef RADIXLM_FOLD

@@ -149,3 +149,33 @@ def test_gather_dequant_matches_dequantize_kv(dtype):
     assert torch.equal(out, dequantize_kv(q_buf[index], scale[index], dtype))
     assert ops.gather_dequant_int8(q_buf, scale, index.int(), dtype) is None  # int32 index: torch path
     assert ops.gather_dequant_int8(q_buf, scale, index, torch.float16) is None
+
+
+@needs_int8
+@pytest.mark.parametrize("gap", [5.0, 40.0, 75.0, 200.0])
+def test_decode_attention_int8_chunks_far_below_the_maximum(gap):
+    """One key of the first 128-key chunk scores `gap` nats above all the others: the later
+    chunks' probabilities are tiny (e^-75 is under the kernel's 1e-30 floor, e^-200 is 0 in
+    float32), the int16 weights of a chunk are relative to its own largest, and the output
+    still matches the reference without NaN."""
+    g = torch.Generator().manual_seed(int(gap))
+    slots, kv_heads, heads, dim, n = 400, 1, 2, 64, 300
+    k_buf = torch.randint(-127, 128, (slots, kv_heads, dim), generator=g, dtype=torch.int8)
+    v_buf = torch.randint(-127, 128, (slots, kv_heads, dim), generator=g, dtype=torch.int8)
+    k_scale = torch.full((slots, kv_heads), 1e-4)
+    v_scale = torch.rand(slots, kv_heads, generator=g) * 0.02 + 0.001
+    q = torch.randn(1, heads, dim, generator=g)
+    q[0, 1] = q[0, 0]  # both heads see the same gap
+    indices = torch.arange(1, n + 1)
+    top = int(indices[3])
+    k_buf[top, 0] = torch.where(q[0, 0] >= 0, 127, -127).to(torch.int8)
+    qq, qs = quantize_kv(q)
+    dot = (dequantize_kv(qq, qs, torch.float32)[0, 0] * k_buf[top, 0].float()).sum() * dim ** -0.5
+    k_scale[top, 0] = gap / dot.item()
+    indptr = torch.tensor([0, n], dtype=torch.int64)
+    lse = torch.empty(1, heads)
+    out = ops.decode_attention_int8(q, k_buf, v_buf, k_scale, v_scale, indptr, indices, dim ** -0.5, lse=lse)
+    ref, ref_lse = _reference(q, k_buf, v_buf, k_scale, v_scale, indptr, indices, dim ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
