@@ -52,20 +52,19 @@ def decode_batch(reqs: list[Req], cache: CacheManager, launched: WorkerBatch | N
     """One more token for each of `reqs` (their decode room was made sure of). `launched`: the
     batch still running (overlap), whose rows name the tokens it is sampling."""
     src_rows = {id(r): i for i, r in enumerate(launched.reqs)} if launched is not None else {}
-    locs, input_ids, prefix_lens, snapshots = [], [], [], []
+    locs = cache.extend_each(reqs)
+    assert locs is not None, "decode memory was checked"
+    input_ids, prefix_lens, snapshots = [], [], []
     for req in reqs:
         position = len(req.fill_ids) + req.pending_tokens - 1
-        loc = cache.extend(req, 1)
-        assert loc is not None, "decode memory was checked"
         assert req.kv_allocated_len == position + 1, "decode slot out of step with the sequence"
-        locs.append(loc)
         prefix_lens.append(position)
         # the newest token is still being sampled by the launched batch: name its row
         input_ids.append(placeholder(src_rows[id(req)]) if req.pending_tokens else req.output_ids[-1])
         if overlap:
             snapshots.append(req.output_ids + [input_ids[-1]] if req.pending_tokens else list(req.output_ids))
     n = len(reqs)
-    return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=torch.cat(locs),
+    return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=locs.clone(),
                        prefix_lens=prefix_lens, extend_lens=[1] * n, sample=[True] * n,
                        input_logprob_ranges=[(0, 0)] * n, input_logprob_targets=[[]] * n,
                        placeholder_source=id(launched) if any(r.pending_tokens for r in reqs) else None,

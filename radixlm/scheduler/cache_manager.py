@@ -193,6 +193,20 @@ class CacheManager:
         req.kv_allocated_len = start + num_tokens
         return loc
 
+    def extend_each(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One more KV slot for each of `reqs` (a decode step), in their order: what
+        `extend(req, 1)` for each does, with one allocation and one table write. Per request
+        those were ~12 us of a batch-32 decode step's Python (0.4 ms)."""
+        loc = self.alloc_tokens(len(reqs))
+        if loc is None:
+            return None
+        rows = [self._idx(req) for req in reqs]
+        cols = [req.kv_allocated_len for req in reqs]
+        self.req_to_token_pool.req_to_token[rows, cols] = loc
+        for req in reqs:
+            req.kv_allocated_len += 1
+        return loc
+
     # ---------------------------------------------------------------- after a forward
     def commit(self, req: Req, num_tokens: int) -> None:
         """`num_tokens` more of the allocated slots now hold computed KV."""
