@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
-           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp"]
+           _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp",
+           _HERE / "table_ops.cpp"]
 HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
            _HERE / "rowwise_avx512.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
@@ -59,6 +60,8 @@ _SIGNATURES = {
     "radixlm_silu_mul": [_INT, _PTR, _PTR, _I64, _INT, _INT],
     "radixlm_store_kv": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64],
     "radixlm_argmax_rows": [_PTR, _I64, _I64, _I64, _PTR, _INT],
+    "radixlm_decode_rows": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64],
+    "radixlm_common_prefix": [_PTR, _I64, _I64, _PTR, _I64, _I64],
     "radixlm_int8_group_size": [],
     "radixlm_quantize_groups": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _PTR, _INT],
     "radixlm_int8_linear_available": [],

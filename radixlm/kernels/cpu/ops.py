@@ -402,3 +402,36 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.radixlm_argmax_rows(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(out), torch.get_num_threads())
     return out
+
+
+def decode_rows(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor,
+                total: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(indptr int64 [B + 1], indices int64 [total]): row b of the CSR is req_to_token[rows[b],
+    :lens[b]] (kernels/indices.py's build_indptr + build_kv_indices). rows and lens int64 [B],
+    total = sum(lens) (the caller has it as a Python int). None when unsupported, and for a
+    row or length outside the table or a total that is not sum(lens)."""
+    lib = load()
+    if (lib is None or req_to_token.dtype != torch.int64 or not req_to_token.is_contiguous()
+            or req_to_token.device.type != "cpu" or rows.dtype != torch.int64 or lens.dtype != torch.int64
+            or not rows.is_contiguous() or not lens.is_contiguous()):
+        return None
+    b = rows.numel()
+    indptr = torch.empty(b + 1, dtype=torch.int64)
+    indices = torch.empty(total, dtype=torch.int64)
+    if lib.radixlm_decode_rows(_ptr(req_to_token), req_to_token.shape[0], req_to_token.shape[1], _ptr(rows),
+                               _ptr(lens), b, _ptr(indptr), _ptr(indices), total) != 0 or int(indptr[-1]) != total:
+        return None
+    return indptr, indices
+
+
+def common_prefix(req_to_token: torch.Tensor, rows: torch.Tensor, limit: int) -> int | None:
+    """How many leading entries (<= limit, within the table's width) the table's rows `rows`
+    (int64, at least one) have in common. None when unsupported."""
+    lib = load()
+    if (lib is None or req_to_token.dtype != torch.int64 or not req_to_token.is_contiguous()
+            or req_to_token.device.type != "cpu" or rows.dtype != torch.int64 or not rows.is_contiguous()
+            or rows.numel() == 0):
+        return None
+    n = lib.radixlm_common_prefix(_ptr(req_to_token), req_to_token.shape[0], req_to_token.shape[1], _ptr(rows),
+                                  rows.numel(), limit)
+    return None if n < 0 else n

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.srt.model_runner.attention.cpu import CpuNativeAttention
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
@@ -23,9 +25,15 @@ def _reference(q, kb, vb, table, lens):
     return out
 
 
+_BACKENDS = [TorchNativeAttention,
+             pytest.param(CpuNativeAttention, marks=pytest.mark.skipif(
+                 not cpu_ops.decode_supported(H, HKV, D), reason="no native decode kernel for this shape"))]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("suffix", [[1, 1, 1], [3, 1, 7]])
-def test_shared_prefix_decode_matches_reference(dtype, tol, suffix):
+@pytest.mark.parametrize("backend_cls", _BACKENDS)
+def test_shared_prefix_decode_matches_reference(dtype, tol, suffix, backend_cls):
     gen = torch.Generator().manual_seed(0)
     shared, cap = 80, 400
     pool = MHATokenToKVPool(cap, 1, HKV, D, dtype, "cpu")
@@ -40,7 +48,7 @@ def test_shared_prefix_decode_matches_reference(dtype, tol, suffix):
         nxt += s
     lens = [shared + s for s in suffix]
     q = torch.randn(3, H, D, generator=gen).to(dtype)
-    backend = TorchNativeAttention(pool, H, HKV, D)
+    backend = backend_cls(pool, H, HKV, D)
     loc = torch.tensor([int(table[i, n - 1]) for i, n in enumerate(lens)])
     fb = ForwardBatch.build(ForwardMode.DECODE, [0, 0, 0], loc, [0, 1, 2], [n - 1 for n in lens], [1, 1, 1],
                             table)
