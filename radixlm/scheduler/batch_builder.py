@@ -77,12 +77,11 @@ def draft_batch(reqs: list[Req], drafts: list[list[int]], cache: CacheManager) -
     slots are opportunistic, so a draft that cannot get its slots now is dropped (the row
     decodes one token), never the cause of a retraction. All of a row's slots are inside its
     kv_allocated_len from here on, so every stop path frees them through release."""
-    firsts = []
+    slots = cache.extend_each(reqs)
+    assert slots is not None, "decode memory was checked"
     for req in reqs:
-        loc = cache.extend(req, 1)
-        assert loc is not None, "decode memory was checked"
         assert req.kv_allocated_len == len(req.fill_ids), "decode slot out of step with the sequence"
-        firsts.append(loc)
+    firsts = slots.clone().split(1)
     kept: list[list[int]] = []
     locs, input_ids, prefix_lens, extend_lens = [], [], [], []
     for req, draft, first in zip(reqs, drafts, firsts, strict=True):

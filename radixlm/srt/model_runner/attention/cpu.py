@@ -99,12 +99,9 @@ class CpuNativeAttention(TorchNativeAttention):
         fb.attn_metadata = _NativeDecode(build_indptr(fb.seq_lens, torch.int64),  # seq_lens is int64
                                          build_kv_indices(fb.req_to_token, rows, fb.seq_lens, max(lens)))
 
-    def _shared_prefix_len(self, fb: ForwardBatch, limit: int) -> int:
-        if fb.batch_size >= 2 and limit >= self.min_shared_prefix:
-            n = cpu_ops.common_prefix(fb.req_to_token, fb.req_pool_indices, limit)
-            if n is not None:
-                return n if n >= self.min_shared_prefix else 0
-        return super()._shared_prefix_len(fb, limit)
+    def _common_slots(self, fb: ForwardBatch, limit: int) -> int:
+        n = cpu_ops.common_prefix(fb.req_to_token, fb.req_pool_indices, limit)
+        return super()._common_slots(fb, limit) if n is None else n
 
     def decode_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(kv_indptr, kv_indices) when this forward's attention is the decode kernel over one

@@ -170,11 +170,15 @@ class TorchNativeAttention(AttentionBackend):
             return 0  # a device table would need a sync here; not worth it
         if limit < self.min_shared_prefix:
             return 0
+        p = self._common_slots(fb, limit)
+        return p if p >= self.min_shared_prefix else 0
+
+    def _common_slots(self, fb: ForwardBatch, limit: int) -> int:
+        """How many leading slots (<= limit) all of the batch's rows of the host table share."""
         table = fb.req_to_token[:, :limit].index_select(0, self._pool_rows(fb))
         same = (table == table[:1]).all(0)
         # Leading run of True; argmin finds the first False (0 if the run covers all).
-        p = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-        return p if p >= self.min_shared_prefix else 0
+        return limit if bool(same.all()) else int(same.to(torch.int8).argmin())
 
     def _shared_metadata(self, fb: ForwardBatch, shared: int, positions: list[int] | None,
                          lens: list[int]) -> _DecodeMetadata:
