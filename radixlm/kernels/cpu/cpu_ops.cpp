@@ -26,6 +26,7 @@
 #include "bf16.h"
 #include "decode_tasks.h"
 #include "rowwise_avx512.h"
+#include "silu.h"
 
 namespace {
 
@@ -440,24 +441,13 @@ void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, 
   }
 }
 
-// gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding.
+// gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding (silu.h).
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (n * I >= kParallelMin)
   for (int64_t t = 0; t < n; ++t) {
     const T* g = gu + t * 2 * (int64_t)I;
-    const T* u = g + I;
-    T* o = out + t * (int64_t)I;
-#ifdef RADIXLM_ROWWISE_AVX512
-    radixlm::rowwise::silu_mul_row(g, u, o, I);
-    continue;
-#endif
-    for (int i = 0; i < I; ++i) {
-      // e^-g capped at e^80: built with -ffast-math, gcc assumes no infinities, and a gate
-      // below -88 (e^-g = inf) came out NaN instead of -0.
-      const float gv = to_f(g[i]);
-      o[i] = from_f<T>(gv / (1.f + expf(std::min(-gv, 80.f))) * to_f(u[i]));
-    }
+    radixlm::silu_mul_span(g, g + I, out + t * (int64_t)I, I);
   }
 }
 

@@ -40,6 +40,9 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
 int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                         const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
                         void* out, int64_t out_stride, int nthreads);
+int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                             const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                             void* out, int64_t out_stride, int nthreads);
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads);
 int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, int w_dtype,
@@ -50,7 +53,8 @@ int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M
 namespace {
 
 // Every field is 8 bytes wide, so the ctypes mirror (decode_layers.py) has no padding to match.
-enum LinearKind : int64_t { kInt8 = 1, kBf16Panels = 2, kFloatPanels = 3 };
+// kInt8Silu: gate_up only, packed silu-gated (int8_linear.py): the GEMM gives silu(gate) * up.
+enum LinearKind : int64_t { kInt8 = 1, kBf16Panels = 2, kFloatPanels = 3, kInt8Silu = 4 };
 
 struct Linear {
   int64_t kind, n, k, w_dtype;  // w_dtype: the float panels' dtype code (kFloatPanels only)
@@ -152,8 +156,15 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
     }
     if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
     if (radixlm_add_rmsnorm(c, half, H, residual, L.post_norm, xn, B, (int)H, eps, nt)) return fail(l, 6);
-    if (run_linear(L.gate_up, c, xn, B, gu, nt)) return fail(l, 7);
-    radixlm_silu_mul(c, gu, act, B, (int)I, nt);
+    if (L.gate_up.kind == kInt8Silu) {
+      const Linear& G = L.gate_up;
+      if (radixlm_int8_linear_silu(c, xn, G.k, B, (int)G.k, (const int8_t*)G.w, (const int32_t*)G.comp,
+                                   (const float*)G.scale, (int)G.n, c, G.bias, act, I, nt))
+        return fail(l, 7);
+    } else {
+      if (run_linear(L.gate_up, c, xn, B, gu, nt)) return fail(l, 7);
+      radixlm_silu_mul(c, gu, act, B, (int)I, nt);
+    }
     if (run_linear(L.down, c, act, B, half, nt)) return fail(l, 8);
   }
   if (num_layers == 0) return radixlm_add_rmsnorm(c, residual, H, nullptr, final_norm, out, B, (int)H, eps, nt);

@@ -294,20 +294,24 @@ def int8_linear_available() -> bool:
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor, n: int,
-                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+                bias: torch.Tensor | None, out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor | None:
     """x [M, K] (rows contiguous) times a weight packed by int8_linear.pack_int8_weight (n
     output columns) -> [M, n] in out_dtype, activations quantized per group inside. bias,
-    if given, is out_dtype. None when unsupported."""
+    if given, is out_dtype. silu: a gate_up weight in the silu-gated tile order (n = 2I,
+    whole tiles) -> silu(gate) * up [M, n / 2] (quant_ops.cpp int8_linear_silu). None when
+    unsupported."""
     lib = load()
     if lib is None or x.dtype not in _DTYPE_CODE or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
         return None
     if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous()):
         return None
     m, k = x.shape
-    out = torch.empty((m, n), dtype=out_dtype)
-    rc = lib.radixlm_int8_linear(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _ptr(packed), _ptr(comp),
-                                 _ptr(w_scale), n, _DTYPE_CODE[out_dtype],
-                                 _ptr(bias) if bias is not None else None, _ptr(out), n, torch.get_num_threads())
+    n_out = n // 2 if silu else n
+    out = torch.empty((m, n_out), dtype=out_dtype)
+    fn = lib.radixlm_int8_linear_silu if silu else lib.radixlm_int8_linear
+    rc = fn(_DTYPE_CODE[x.dtype], _ptr(x), x.stride(0), m, k, _ptr(packed), _ptr(comp), _ptr(w_scale), n,
+            _DTYPE_CODE[out_dtype], _ptr(bias) if bias is not None else None, _ptr(out), n_out,
+            torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -368,28 +372,34 @@ class Int8Gemm:
     a call is one output allocation and one ctypes call: int8_linear() above re-checks and
     re-reads the same pointers every time (~5 us, and a decode step makes ~120 of these
     calls)."""
-    __slots__ = ("_fn", "_keep", "_packed", "_comp", "_scale", "n", "k")
+    __slots__ = ("_fn", "_keep", "_packed", "_comp", "_scale", "n", "k", "n_out")
 
-    def __init__(self, packed: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor, n: int, k: int) -> None:
+    def __init__(self, packed: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor, n: int, k: int,
+                 silu: bool = False) -> None:
+        """silu: a gate_up weight in the silu-gated tile order; a call returns silu(gate) * up
+        (n / 2 columns), as int8_linear(..., silu=True)."""
         lib = load()
         if lib is None or lib.radixlm_int8_linear_available() != 1:
             raise RuntimeError("the native int8 GEMM is not available in this build")
         for t in (packed, comp, w_scale):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError("packed int8 weight tensors must be contiguous CPU tensors")
-        self._fn = lib.radixlm_int8_linear
+        if silu and n % 32 != 0:
+            raise ValueError(f"a silu-gated weight has whole 32-column tiles, not {n} columns")
+        self._fn = lib.radixlm_int8_linear_silu if silu else lib.radixlm_int8_linear
         self._keep = (packed, comp, w_scale)  # the pointers below stay valid while this lives
         self._packed, self._comp, self._scale = packed.data_ptr(), comp.data_ptr(), w_scale.data_ptr()
         self.n, self.k = n, k
+        self.n_out = n // 2 if silu else n
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """x [M, k] float32/bfloat16 with contiguous rows; out_dtype float32/bfloat16; bias None
         or a contiguous out_dtype [n] (the caller checks: see int8_linear.int8_linear)."""
         m = x.shape[0]
-        out = torch.empty((m, self.n), dtype=out_dtype)
+        out = torch.empty((m, self.n_out), dtype=out_dtype)
         self._fn(_DTYPE_CODE[x.dtype], x.data_ptr(), x.stride(0), m, self.k, self._packed, self._comp, self._scale,
                  self.n, _DTYPE_CODE[out_dtype], bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                 self.n, torch.get_num_threads())
+                 self.n_out, torch.get_num_threads())
         return out
 
 

@@ -13,6 +13,13 @@
 // _int_mm re-orders its B operand on every call, which with weights coming from DRAM, the
 // decode case, cost it most of its speed-up over bf16).
 // Rounding is nearbyintf (round half to even, the default mode), as torch.round does.
+//   int8_linear_silu: the same GEMM over a gate_up weight whose tiles each hold 16 gate columns
+//                    then the 16 matching up columns (int8_linear.py: silu_gated), with
+//                    silu(gate) * up (silu.h) as its epilogue: out [M, N / 2]. Gate and up
+//                    are rounded to the output type first, as the unfused pair stores them, so
+//                    the result is bit for bit int8_linear followed by silu_mul; the [M, N]
+//                    intermediate and the separate pass over it (single-threaded at a decode
+//                    batch's size) are gone.
 
 //
 // Without AVX-512 (AVX2 + FMA, e.g. AMD Zen 3) the same packed weight is multiplied with
@@ -43,11 +50,13 @@
 
 #include "avx2.h"
 #include "bf16.h"
+#include "silu.h"
 
 namespace {
 
 using radixlm::from_f;
 using radixlm::to_f;
+using radixlm::silu_mul_span;
 
 constexpr int kGroup = 32;  // input features per activation scale (int8_linear.py: GROUP)
 // Same reasoning as cpu_ops.cpp: a decode batch's pass is a few microseconds of work.
@@ -182,7 +191,20 @@ inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
 // and float accumulators + 2 weights + 1 broadcast = 27 zmm in registers, so each weight
 // load feeds 6 rows. The accumulators are named variables, not arrays: GCC spills arrays
 // of __m512i to the stack inside the k loop (measured 30% slower).
-template <int MR, typename TO>
+// silu(g) * u of one row's 16 columns into o, g and u first rounded to TO (see int8_linear_silu).
+template <typename TO>
+inline void store_silu_mul(TO* o, __m512 g, __m512 u) {
+#ifdef RADIXLM_ROWWISE_AVX512
+  radixlm::rowwise::store16(o, 0xffff, radixlm::rowwise::silu_mul16(radixlm::rowwise::round_to(o, g), radixlm::rowwise::round_to(o, u)));
+#else
+  alignas(64) TO gb[16], ub[16];
+  store_row(gb, 0xffff, g);
+  store_row(ub, 0xffff, u);
+  silu_mul_span(gb, ub, o, 16);
+#endif
+}
+
+template <int MR, typename TO, bool kSilu>
 void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
                 const int32_t* comp, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
                 TilePrefetch& pf) {
@@ -227,6 +249,17 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_FOLD
   }
   const bool has_bias = bias != nullptr;
+  if constexpr (kSilu) {  // block 0: the gate's 16 columns, block 1: the up's (whole tiles only)
+    const __m512 ws0 = _mm512_loadu_ps(ws), ws1 = _mm512_loadu_ps(ws + 16);
+    const __m512 b0 = has_bias ? load_bias(bias, 0xffff) : zf, b1 = has_bias ? load_bias(bias + 16, 0xffff) : zf;
+#define RADIXLM_SILU(m)                                                                              \
+  if constexpr (MR > m)                                                                              \
+    store_silu_mul(out + m * os, has_bias ? _mm512_fmadd_ps(f##m##0, ws0, b0) : _mm512_mul_ps(f##m##0, ws0), \
+                   has_bias ? _mm512_fmadd_ps(f##m##1, ws1, b1) : _mm512_mul_ps(f##m##1, ws1));
+    RADIXLM_SILU(0) RADIXLM_SILU(1) RADIXLM_SILU(2) RADIXLM_SILU(3) RADIXLM_SILU(4) RADIXLM_SILU(5)
+#undef RADIXLM_SILU
+    return;
+  }
 #define RADIXLM_OUT(m, b) \
   if constexpr (MR > m)   \
     store_row(out + m * os + b * 16, mask, has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv));
@@ -253,12 +286,16 @@ constexpr bool kOffsetActivations = false;  // the sign trick needs the signed v
 // 16 ymm registers; the float sums across groups live in memory (one load/store per group,
 // against 8 k-quads of 4 ops each). Named accumulators for the reason given in the VNNI
 // micro_tile. comp is unused: the activations are signed.
-template <int MR, typename TO>
+template <int MR, typename TO, bool kSilu>
 void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
                 const int32_t* /*comp*/, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
                 TilePrefetch& pf) {
   static_assert(MR >= 1 && MR <= 4, "micro_tile handles 1-4 rows");
   const __m256i ones = _mm256_set1_epi16(1);
+  // kSilu: half 0 is the gate's 16 columns, kept (rounded to TO, as stored) until half 1, the
+  // up's, gives the row's silu(gate) * up (silu.h).
+  alignas(32) TO gate[kSilu ? MR : 1][16];
+  alignas(32) TO up[16];
   for (int half = 0; half < 2 && half * 16 < ncols; ++half) {
     alignas(32) float facc[MR][16];
     for (int m = 0; m < MR; ++m)
@@ -299,7 +336,7 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
     const int cols = std::min(16, ncols - half * 16);
     const float* wsh = ws + half * 16;
     for (int m = 0; m < MR; ++m) {
-      TO* o = out + m * os + half * 16;
+      TO* o = !kSilu ? out + m * os + half * 16 : half == 0 ? gate[m] : up;
       alignas(32) float r[16];
       for (int b = 0; b < 2; ++b) {
         const __m256 f = _mm256_load_ps(facc[m] + 8 * b), wsv = _mm256_loadu_ps(wsh + 8 * b);
@@ -316,13 +353,15 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
       }
       if (cols < 16)
         for (int i = 0; i < cols; ++i) o[i] = from_f<TO>(r[i]);
+      if (kSilu && half == 1) silu_mul_span(gate[m], up, out + m * os, 16);
     }
   }
 }
 #endif
 
 #ifdef RADIXLM_INT8_GEMM
-template <typename TI, typename TO>
+// kSilu: the gate_up tile layout of int8_linear_silu; out has N / 2 columns.
+template <typename TI, typename TO, bool kSilu = false>
 void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* packed, const int32_t* comp,
                  const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads) {
   if (M <= 0) return;
@@ -384,10 +423,10 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
       const int64_t rows = base + (step < extra ? 1 : 0);
       const uint8_t* xr = xq + m0 * Kp;
       const float* sr = xs + m0 * ng;
-      TO* o = out + m0 * out_stride + c0;
+      TO* o = out + m0 * out_stride + (kSilu ? c0 / 2 : c0);
       switch (rows) {
 #define RADIXLM_TILE(R) \
-  case R: micro_tile<R, TO>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf); break;
+  case R: micro_tile<R, TO, kSilu>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf); break;
         RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4)
 #if defined(RADIXLM_VNNI)
         RADIXLM_TILE(5) RADIXLM_TILE(6)
@@ -427,14 +466,18 @@ int radixlm_int8_linear_available() {
 #endif
 }
 
+}  // extern "C"
+
+namespace {
 // x dtype and out dtype (bias too) each 0 = float32, 1 = bfloat16. -1: built without VNNI.
-int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
-                        const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
-                        void* out, int64_t out_stride, int nthreads) {
+template <bool kSilu>
+int int8_linear_call(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                     const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias, void* out,
+                     int64_t out_stride, int nthreads) {
 #ifdef RADIXLM_INT8_GEMM
-#define RADIXLM_CALL(TI, TO)                                                                        \
-  int8_linear<TI, TO>((const TI*)x, x_stride, M, K, packed, comp, w_scale, N, (const TO*)bias, (TO*)out, \
-                      out_stride, nthreads)
+#define RADIXLM_CALL(TI, TO)                                                                                \
+  int8_linear<TI, TO, kSilu>((const TI*)x, x_stride, M, K, packed, comp, w_scale, N, (const TO*)bias, (TO*)out, \
+                             out_stride, nthreads)
   if (x_dtype == 0 && out_dtype == 0) RADIXLM_CALL(float, float);
   else if (x_dtype == 0) RADIXLM_CALL(float, uint16_t);
   else if (out_dtype == 0) RADIXLM_CALL(uint16_t, float);
@@ -444,6 +487,26 @@ int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M,
 #else
   return -1;
 #endif
+}
+}  // namespace
+
+extern "C" {
+
+int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                        const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                        void* out, int64_t out_stride, int nthreads) {
+  return int8_linear_call<false>(x_dtype, x, x_stride, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
+                                 out_stride, nthreads);
+}
+
+// The gate_up weight in int8_linear_silu's layout (N = 2I, whole 32-column tiles), bias (if
+// any) and w_scale in that order too; out [M, N / 2] of out_dtype. -2: N not whole tiles.
+int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                             const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                             void* out, int64_t out_stride, int nthreads) {
+  if (N % 32 != 0) return -2;
+  return int8_linear_call<true>(x_dtype, x, x_stride, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
+                                out_stride, nthreads);
 }
 
 }  // extern "C"

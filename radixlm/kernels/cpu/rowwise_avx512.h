@@ -42,14 +42,18 @@ inline __m512 round_to(uint16_t*, __m512 v) { return widen((__m256i)_mm512_cvtne
 // o[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u, e^-g capped at e^80: built with -ffast-math, gcc
 // turns the division into a reciprocal estimate and a Newton step, which gives 0 * inf = NaN
 // where e^-g overflows (g below -88) instead of -0.
+// 16 lanes of it, unrounded: also the int8 GEMM's fused epilogue (quant_ops.cpp), which must
+// give the same bits.
+inline __m512 silu_mul16(__m512 gv, __m512 uv) {
+  const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.f)));
+  return _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv);
+}
+
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int I) {
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int i = 0; i < I; i += 16) {
     const __mmask16 m = tail_mask(I - i);
-    const __m512 gv = load16(g + i, m);
-    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(80.f)));
-    store16(o + i, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), load16(u + i, m)));
+    store16(o + i, m, silu_mul16(load16(g + i, m), load16(u + i, m)));
   }
 }
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.srt.layers.int8_linear import int8_linear_silu
 from radixlm.srt.layers.linear import Linear
 
 
@@ -25,8 +26,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         # Rows [0, I) hold gate_proj, rows [I, 2I) up_proj: one GEMM instead of two.
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, silu_gated=True)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.quantization is not None:
+            w = gate_up.int8_weight()
+            if w.silu_gated:  # SiLU * mul in the int8 GEMM's epilogue
+                return self.down_proj.forward(int8_linear_silu(x, w, gate_up.bias))
+        return self.down_proj.forward(silu_and_mul(gate_up.forward(x)))

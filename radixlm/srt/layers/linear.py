@@ -88,10 +88,13 @@ class Linear(nn.Module):
     generation = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, silu_gated: bool = False) -> None:
+        """silu_gated: the weight is a gated MLP's [gate; up], whose int8 copy is packed for
+        int8_linear_silu (layers/int8_linear.py); forward still returns [gate | up]."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.silu_gated = silu_gated
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
                      if bias else None)
@@ -118,7 +121,7 @@ class Linear(nn.Module):
     def int8_weight(self) -> Int8Weight:
         """The int8 copy of the weight, built if missing."""
         if self._int8 is None:
-            self._int8 = quantize_weight(self.weight)
+            self._int8 = quantize_weight(self.weight, silu_gated=self.silu_gated)
         return self._int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import radixlm.envs as envs
 from radixlm.kernels.cpu import decode_layers as native
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.layers import bf16_gemm, float_gemm
+from radixlm.srt.layers.int8_linear import silu_gated_order
 from radixlm.srt.layers.linear import Linear
 from radixlm.srt.layers.rotary import BatchRope
 from radixlm.srt.model_runner.attention.cpu import CpuNativeAttention
@@ -44,6 +45,10 @@ def _linear_spec(lin: Linear, dtype: torch.dtype) -> native.LinearSpec | None:
         w = lin.int8_weight()
         if w.gemm is None or w.packed is None:
             return None
+        if w.silu_gated:
+            bias = silu_gated_order(bias) if bias is not None else None
+            return native.LinearSpec(native.INT8_SILU, w.out_features, w.in_features, w.packed, w.comp, w.scale,
+                                     bias)
         return native.LinearSpec(native.INT8, w.out_features, w.in_features, w.packed, w.comp, w.scale, bias)
     packed = lin.packed_weight()
     if isinstance(packed, bf16_gemm.PackedBf16Weight) and dtype == torch.bfloat16:

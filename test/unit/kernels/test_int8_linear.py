@@ -111,6 +111,64 @@ def test_bound_gemm_matches_the_checked_call():
     torch.testing.assert_close(half.float(), generic.float(), atol=2e-2, rtol=1e-2)
 
 
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,inter", [(1, 576, 1536), (32, 576, 1536), (7, 70, 48), (300, 64, 16), (13, 100, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_gated_gemm_is_the_unfused_pair_bit_for_bit(dtype, m, k, inter, with_bias):
+    """A gate_up weight packed silu-gated: int8_linear_silu (SiLU * mul in the GEMM's epilogue)
+    gives exactly silu_mul over the plain weight's output, gates far below -88 included; the
+    plain call on the gated packing still returns [gate | up]."""
+    g = torch.Generator().manual_seed(m * 5 + k + inter)
+    w = torch.randn(2 * inter, k, generator=g) * 0.1
+    w[:inter] *= 40  # gates of either sign far out, where e^-g overflows
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = (torch.randn(2 * inter, generator=g) * 3).to(dtype) if with_bias else None
+    plain, gated = il.quantize_weight(w), il.quantize_weight(w, silu_gated=True)
+    assert gated.silu_gated and not plain.silu_gated
+    unfused = il.int8_linear(x, plain, bias)
+    assert unfused[:, :inter].float().min() < -100  # the overflow case is exercised
+    want = ops.silu_mul(unfused)
+    got = il.int8_linear_silu(x, gated, bias)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert torch.equal(got, want)
+    generic = ops.int8_linear(x, gated.packed, gated.comp, gated.scale, 2 * inter,
+                              il.silu_gated_order(bias) if bias is not None else None, dtype, silu=True)
+    assert torch.equal(generic, want)  # the checked call, as the bound one
+    assert torch.equal(il.int8_linear(x, gated, bias), unfused)
+    x3 = x.reshape(1, m, k)
+    assert torch.equal(il.int8_linear_silu(x3, gated, bias), want.reshape(1, m, inter))
+
+
+@needs_int8
+def test_gated_mlp_takes_the_fused_epilogue():
+    """GatedMLP in w8a8 packs its gate_up silu-gated and gives the unfused pipeline's bits."""
+    from radixlm.srt.layers.activation import GatedMLP
+    g = torch.Generator().manual_seed(8)
+    mlp = GatedMLP(64, 48, dtype=torch.bfloat16)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+        lin.quantization = "w8a8_int8"
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    got = mlp.forward(x)
+    assert mlp.gate_up_proj.int8_weight().silu_gated
+    act = ops.silu_mul(il.int8_linear(x, il.quantize_weight(mlp.gate_up_proj.weight), None))
+    assert torch.equal(got, il.int8_linear(act, mlp.down_proj.int8_weight(), None))
+
+
+def test_silu_gated_packing_needs_whole_tiles():
+    """An MLP width that is not a multiple of 16 keeps the plain packing (and the unfused
+    pair); the row order round-trips."""
+    w = torch.randn(2 * 24, 32)
+    assert not il.quantize_weight(w, pack=False, silu_gated=True).silu_gated
+    if ops.int8_linear_available():
+        assert not il.quantize_weight(w, silu_gated=True).silu_gated
+    t = torch.arange(64)
+    order = il.silu_gated_order(t)
+    assert order[:16].tolist() == list(range(16)) and order[16:32].tolist() == list(range(32, 48))
+    assert torch.equal(il.gate_up_order(order), t)
+
+
 def test_quantized_linear_error_is_small():
     """Per-channel weights and per-group activations keep a Gaussian layer within ~1.5%."""
     g = torch.Generator().manual_seed(4)
