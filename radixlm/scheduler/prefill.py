@@ -28,7 +28,8 @@ from radixlm.scheduler.cache_manager import CacheManager
 # Reservation per request is capped so one huge max_new_tokens cannot block admission.
 CLIP_MAX_NEW_TOKENS = 4096
 # In-batch prefix deduplication: a request whose uncached prefix is shared by at least this
-# many tokens with a request already in the batch waits one round and then hits the cache.
+# many tokens (or by at least half of its uncached tokens) with a request already in the batch
+# waits one round and then hits the cache.
 IN_BATCH_PREFIX_DEDUP_MIN = 32
 # Shortest chunk a cost bound may cut a prompt to (a step has fixed costs of its own).
 MIN_COST_BOUNDED_CHUNK = 64
@@ -180,9 +181,13 @@ class PrefillAdder:
         if not self.in_batch_dedup:
             return False
         fill = req.fill_ids
-        # Short prompts count as shared when all of their uncached part is (n > 1 children).
-        need = min(IN_BATCH_PREFIX_DEDUP_MIN, len(fill) - 1 - prefix_len)
-        if need <= 0:
+        # A short prompt counts as shared when half of its uncached part is: chat prompts behind
+        # one system prompt (~20 tokens of a ~40-token prompt) would otherwise each compute it
+        # again in one batch, more than the round the others then wait (the sharer's prefill).
+        # The last token is always computed, so an n > 1 child (all of it shared) qualifies too.
+        uncached = len(fill) - prefix_len
+        need = min(IN_BATCH_PREFIX_DEDUP_MIN, (uncached + 1) // 2)
+        if uncached < 2:
             return False
         return any(_common_prefix_len(fill, other) - prefix_len >= need for other in self._admitted_fills)
 

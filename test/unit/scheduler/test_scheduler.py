@@ -98,6 +98,26 @@ def test_in_batch_dedup_computes_a_shared_prefix_once():
     h.assert_idle_and_conserved()
 
 
+def test_in_batch_dedup_takes_a_short_shared_system_prompt_once():
+    """Chat prompts behind one short system prompt (20 of ~30 tokens: under the 32-token
+    threshold, over half of each prompt): the first computes it, the rest wait a round and hit
+    the cache; a prompt that shares less than half of itself is not held back."""
+    h = make_harness()
+    system = _prompt(20, 9)
+    prompts = [system + _prompt(8 + i, 40 + i) for i in range(4)]
+    other = _prompt(10, 70)
+    rids = [h.submit(p, max_new_tokens=3) for p in prompts]
+    lone = h.submit(system[:4] + other, max_new_tokens=3)  # 4 of 14 shared: admitted at once
+    h.run()
+    prefills = [b for b in h.runner.forward_calls if not b.is_decode]
+    assert sum(sum(b.extend_lens) for b in prefills) == 28 + sum(8 + i for i in range(1, 4)) + 14
+    assert len(prefills[0].reqs) == 2  # the first chat prompt and the lone one
+    assert all(h.final(r).cached_tokens == 20 for r in rids[1:])
+    for rid, p in zip(rids + [lone], prompts + [system[:4] + other]):
+        assert h.tokens(rid) == reference_output(p, 3)
+    h.assert_idle_and_conserved()
+
+
 def test_retraction_under_kv_pressure_keeps_streams_continuous():
     h = make_harness(capacity=160, max_running=8)
     prompts = [_prompt(20, 300 + i) for i in range(6)]
