@@ -38,7 +38,7 @@ SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.c
            _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp",
            _HERE / "table_ops.cpp"]
 HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
-           _HERE / "rowwise_avx512.h", _HERE / "silu.h"]
+           _HERE / "rowwise_avx512.h", _HERE / "row_spans.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 # Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose
 # constructor turns on flush-to-zero / denormals-are-zero for the whole process that loads the
@@ -67,6 +67,8 @@ _SIGNATURES = {
     "radixlm_int8_linear_available": [],
     "radixlm_int8_linear": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_int8_linear_silu": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
+    "radixlm_int8_linear_norm": [_INT, _PTR, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _INT,
+                                 _INT, _PTR, _PTR, _I64, _INT, _INT],
     "radixlm_store_kv_int8": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT],
     "radixlm_decode_int8_supports": [_INT],
     "radixlm_gather_dequant_int8": [_INT, _PTR, _PTR, _PTR, _I64, _INT, _INT, _PTR, _INT],

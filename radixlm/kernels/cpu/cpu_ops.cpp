@@ -26,7 +26,7 @@
 #include "bf16.h"
 #include "decode_tasks.h"
 #include "rowwise_avx512.h"
-#include "silu.h"
+#include "row_spans.h"
 
 namespace {
 
@@ -410,38 +410,17 @@ void rope_inplace(T* x, int64_t T_, int64_t x_stride, int nheads, int D, const i
   }
 }
 
-// residual (if given) += x, rounded to T; out = rmsnorm(residual or x) * w, one rounding.
+// residual (if given) += x, rounded to T; out = rmsnorm(residual or x) * w, one rounding (row_spans.h).
 template <typename T>
 void add_rmsnorm(const T* x, int64_t x_stride, T* residual, const T* w, T* out, int64_t n, int H,
                  float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (n * H >= kParallelMin)
-  for (int64_t t = 0; t < n; ++t) {
-    const T* xr = x + t * x_stride;
-#ifdef RADIXLM_ROWWISE_AVX512
-    radixlm::rowwise::add_rmsnorm_row(xr, residual ? residual + t * (int64_t)H : nullptr, w,
-                                      out + t * (int64_t)H, H, eps);
-    continue;
-#endif
-    float buf[8192];
-    float ss = 0.f;
-    if (residual) {
-      T* rr = residual + t * (int64_t)H;
-      for (int i = 0; i < H; ++i) {
-        const T v = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-        rr[i] = v;
-        buf[i] = to_f(v);
-      }
-    } else {
-      for (int i = 0; i < H; ++i) buf[i] = to_f(xr[i]);
-    }
-    for (int i = 0; i < H; ++i) ss += buf[i] * buf[i];
-    const float r = 1.f / sqrtf(ss / H + eps);
-    T* orow = out + t * (int64_t)H;
-    for (int i = 0; i < H; ++i) orow[i] = from_f<T>(buf[i] * r * to_f(w[i]));
-  }
+  for (int64_t t = 0; t < n; ++t)
+    radixlm::add_rmsnorm_span(x + t * x_stride, residual ? residual + t * (int64_t)H : nullptr, w,
+                              out + t * (int64_t)H, H, eps);
 }
 
-// gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding (silu.h).
+// gate_up [n, 2I] (gate then up) -> out [n, I] = silu(gate) * up, one rounding (row_spans.h).
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t n, int I, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (n * I >= kParallelMin)

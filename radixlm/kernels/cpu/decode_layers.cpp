@@ -9,6 +9,8 @@
 // hidden size 64, whose kernels take next to nothing). Here the same kernels run in the same
 // order with the same arguments, so the result is bit for bit the Python path's
 // (radixlm/srt/models/llama.py, LlamaDecoderLayer.forward): only the calls between them are gone.
+// Two are merged: an int8 linear after a norm does the norm's rows in its own parallel region
+// (int8_linear_norm), with the same row function as add_rmsnorm, so the bits stay the same.
 //
 // Contract (radixlm/kernels/cpu/decode_layers.py builds the tables):
 //   residual [B, H] (model dtype) holds the embeddings on entry and the residual stream on exit;
@@ -40,9 +42,10 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
 int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                         const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
                         void* out, int64_t out_stride, int nthreads);
-int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
-                             const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
-                             void* out, int64_t out_stride, int nthreads);
+int radixlm_int8_linear_norm(int x_dtype, const void* h, int64_t h_stride, void* residual, const void* w, float eps,
+                             void* normed, int64_t M, int K, const int8_t* packed, const int32_t* comp,
+                             const float* w_scale, int N, int out_dtype, const void* bias, void* out,
+                             int64_t out_stride, int silu, int nthreads);
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads);
 int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, int w_dtype,
@@ -100,6 +103,19 @@ int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, 
   }
 }
 
+// out = L(add_rmsnorm(h, residual, norm_w)), the normed rows also left in xn (an int8 L does the
+// norm row by row in its own parallel region, the others after a separate add_rmsnorm); a
+// kInt8Silu L gives silu(gate) * up.
+int norm_then_linear(const Linear& L, int c, const void* h, void* residual, const void* norm_w, float eps, void* xn,
+                     int64_t B, int64_t H, void* out, int64_t out_cols, int nt) {
+  if (L.kind == kInt8 || L.kind == kInt8Silu)
+    return radixlm_int8_linear_norm(c, h, H, residual, norm_w, eps, xn, B, (int)H, (const int8_t*)L.w,
+                                    (const int32_t*)L.comp, (const float*)L.scale, (int)L.n, c, L.bias, out,
+                                    out_cols, L.kind == kInt8Silu, nt);
+  if (radixlm_add_rmsnorm(c, h, H, residual, norm_w, xn, B, (int)H, eps, nt)) return -1;
+  return run_linear(L, c, xn, B, out, nt);
+}
+
 // Error codes: 1000 * (layer + 1) + the op that failed (its own code is lost: they are all
 // "unsupported shape or build", which decode_layers.py checks before calling).
 inline int fail(int64_t layer, int op) { return (int)(1000 * (layer + 1) + op); }
@@ -135,10 +151,9 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
     const Layer& L = layers[l];
     // Layer 0 normalises the embeddings, which stay as the residual stream; later layers add
     // the previous layer's MLP output into it first.
-    const int rc_in = l == 0 ? radixlm_add_rmsnorm(c, residual, H, nullptr, L.in_norm, xn, B, (int)H, eps, nt)
-                             : radixlm_add_rmsnorm(c, half, H, residual, L.in_norm, xn, B, (int)H, eps, nt);
-    if (rc_in) return fail(l, 1);
-    if (run_linear(L.qkv, c, xn, B, qkv, nt)) return fail(l, 2);
+    if (l == 0 ? norm_then_linear(L.qkv, c, residual, nullptr, L.in_norm, eps, xn, B, H, qkv, nqkv, nt)
+               : norm_then_linear(L.qkv, c, half, residual, L.in_norm, eps, xn, B, H, qkv, nqkv, nt))
+      return fail(l, 2);
     if (radixlm_rope_inplace(c, qkv, B, nqkv, (int)(Hq + Hkv), (int)D, s->positions, s->cos, s->sin, nt))
       return fail(l, 3);
     if (L.k_scale != nullptr) {
@@ -155,14 +170,11 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
         return fail(l, 4);
     }
     if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
-    if (radixlm_add_rmsnorm(c, half, H, residual, L.post_norm, xn, B, (int)H, eps, nt)) return fail(l, 6);
-    if (L.gate_up.kind == kInt8Silu) {
-      const Linear& G = L.gate_up;
-      if (radixlm_int8_linear_silu(c, xn, G.k, B, (int)G.k, (const int8_t*)G.w, (const int32_t*)G.comp,
-                                   (const float*)G.scale, (int)G.n, c, G.bias, act, I, nt))
-        return fail(l, 7);
+    if (L.gate_up.kind == kInt8Silu) {  // silu(gate) * up straight into act
+      if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, act, I, nt)) return fail(l, 7);
     } else {
-      if (run_linear(L.gate_up, c, xn, B, gu, nt)) return fail(l, 7);
+      if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, gu, 2 * I, nt))
+        return fail(l, 7);
       radixlm_silu_mul(c, gu, act, B, (int)I, nt);
     }
     if (run_linear(L.down, c, act, B, half, nt)) return fail(l, 8);

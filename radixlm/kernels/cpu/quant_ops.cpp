@@ -15,11 +15,14 @@
 // Rounding is nearbyintf (round half to even, the default mode), as torch.round does.
 //   int8_linear_silu: the same GEMM over a gate_up weight whose tiles each hold 16 gate columns
 //                    then the 16 matching up columns (int8_linear.py: silu_gated), with
-//                    silu(gate) * up (silu.h) as its epilogue: out [M, N / 2]. Gate and up
+//                    silu(gate) * up (row_spans.h) as its epilogue: out [M, N / 2]. Gate and up
 //                    are rounded to the output type first, as the unfused pair stores them, so
 //                    the result is bit for bit int8_linear followed by silu_mul; the [M, N]
 //                    intermediate and the separate pass over it (single-threaded at a decode
 //                    batch's size) are gone.
+//   int8_linear_norm: either of them with the residual add + RMSNorm of its input done by the
+//                    thread that quantizes each row (row_spans.h, bit for bit add_rmsnorm): a
+//                    decode step's norms no longer run as their own single-threaded passes.
 
 //
 // Without AVX-512 (AVX2 + FMA, e.g. AMD Zen 3) the same packed weight is multiplied with
@@ -50,12 +53,13 @@
 
 #include "avx2.h"
 #include "bf16.h"
-#include "silu.h"
+#include "row_spans.h"
 
 namespace {
 
 using radixlm::from_f;
 using radixlm::to_f;
+using radixlm::add_rmsnorm_span;
 using radixlm::silu_mul_span;
 
 constexpr int kGroup = 32;  // input features per activation scale (int8_linear.py: GROUP)
@@ -293,7 +297,7 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
   static_assert(MR >= 1 && MR <= 4, "micro_tile handles 1-4 rows");
   const __m256i ones = _mm256_set1_epi16(1);
   // kSilu: half 0 is the gate's 16 columns, kept (rounded to TO, as stored) until half 1, the
-  // up's, gives the row's silu(gate) * up (silu.h).
+  // up's, gives the row's silu(gate) * up (row_spans.h).
   alignas(32) TO gate[kSilu ? MR : 1][16];
   alignas(32) TO up[16];
   for (int half = 0; half < 2 && half * 16 < ncols; ++half) {
@@ -360,10 +364,24 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #endif
 
 #ifdef RADIXLM_INT8_GEMM
-// kSilu: the gate_up tile layout of int8_linear_silu; out has N / 2 columns.
+// The GEMM's input as add_rmsnorm's output: row m of the input is written to normed + m * K
+// (rmsnorm(residual[m] += h[m]) * w, or of h[m] alone without a residual), then quantized.
+template <typename T>
+struct NormIn {
+  const T* h;
+  int64_t h_stride;
+  T* residual;  // [M, K] contiguous, or null
+  const T* w;
+  float eps;
+  T* normed;  // [M, K] contiguous
+};
+
+// kSilu: the gate_up tile layout of int8_linear_silu; out has N / 2 columns. norm: x is
+// norm->normed, computed here (NormIn).
 template <typename TI, typename TO, bool kSilu = false>
 void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* packed, const int32_t* comp,
-                 const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads) {
+                 const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads,
+                 const NormIn<TI>* norm = nullptr) {
   if (M <= 0) return;
   const int ng = (K + kGroup - 1) / kGroup;
   const int64_t Kp = (int64_t)ng * kGroup;
@@ -392,8 +410,12 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
 #pragma omp parallel num_threads(nthreads) if (parallel)
   {
 #pragma omp for schedule(static)
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
+    if (norm != nullptr)
+      add_rmsnorm_span(norm->h + m * norm->h_stride, norm->residual ? norm->residual + m * K : nullptr, norm->w,
+                       norm->normed + m * K, K, norm->eps);
     quantize_row<TI, kOffsetActivations>(x + m * x_stride, K, ng, xq + m * Kp, xs + m * ng);
+  }
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < tasks; ++t) {
     const int tile = (int)(t / chunks);
@@ -470,14 +492,15 @@ int radixlm_int8_linear_available() {
 
 namespace {
 // x dtype and out dtype (bias too) each 0 = float32, 1 = bfloat16. -1: built without VNNI.
+// norm: a NormIn of x's type (x = its normed rows), or null.
 template <bool kSilu>
 int int8_linear_call(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                      const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias, void* out,
-                     int64_t out_stride, int nthreads) {
+                     int64_t out_stride, int nthreads, const void* norm = nullptr) {
 #ifdef RADIXLM_INT8_GEMM
 #define RADIXLM_CALL(TI, TO)                                                                                \
   int8_linear<TI, TO, kSilu>((const TI*)x, x_stride, M, K, packed, comp, w_scale, N, (const TO*)bias, (TO*)out, \
-                             out_stride, nthreads)
+                             out_stride, nthreads, (const NormIn<TI>*)norm)
   if (x_dtype == 0 && out_dtype == 0) RADIXLM_CALL(float, float);
   else if (x_dtype == 0) RADIXLM_CALL(float, uint16_t);
   else if (out_dtype == 0) RADIXLM_CALL(uint16_t, float);
@@ -507,6 +530,27 @@ int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64
   if (N % 32 != 0) return -2;
   return int8_linear_call<true>(x_dtype, x, x_stride, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
                                 out_stride, nthreads);
+}
+
+// int8_linear (silu = 0) or int8_linear_silu (silu = 1) of the rows of normed [M, K] (dtype
+// x_dtype, as h, residual and w), which it first fills with add_rmsnorm(h, residual, w, eps):
+// residual [M, K] (contiguous) += h, or null for h alone. K <= 8192.
+int radixlm_int8_linear_norm(int x_dtype, const void* h, int64_t h_stride, void* residual, const void* w, float eps,
+                             void* normed, int64_t M, int K, const int8_t* packed, const int32_t* comp,
+                             const float* w_scale, int N, int out_dtype, const void* bias, void* out,
+                             int64_t out_stride, int silu, int nthreads) {
+  if (K > 8192 || (silu && N % 32 != 0)) return -2;
+#ifdef RADIXLM_INT8_GEMM
+  NormIn<float> nf{(const float*)h, h_stride, (float*)residual, (const float*)w, eps, (float*)normed};
+  NormIn<uint16_t> nb{(const uint16_t*)h, h_stride, (uint16_t*)residual, (const uint16_t*)w, eps, (uint16_t*)normed};
+  const void* norm = x_dtype == 0 ? (const void*)&nf : (const void*)&nb;
+  return silu ? int8_linear_call<true>(x_dtype, normed, K, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
+                                       out_stride, nthreads, norm)
+              : int8_linear_call<false>(x_dtype, normed, K, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
+                                        out_stride, nthreads, norm);
+#else
+  return -1;
+#endif
 }
 
 }  // extern "C"

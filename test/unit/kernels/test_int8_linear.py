@@ -156,6 +156,40 @@ def test_gated_mlp_takes_the_fused_epilogue():
     assert torch.equal(got, il.int8_linear(act, mlp.down_proj.int8_weight(), None))
 
 
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 32])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_prologue_is_add_rmsnorm_then_the_gemm_bit_for_bit(dtype, m, silu, with_residual):
+    """int8_linear_norm (the decoder layers' norm done by the GEMM's threads, row by row):
+    the normed rows, the updated residual and the output are those of add_rmsnorm followed by
+    the GEMM (or the silu-gated one)."""
+    from radixlm.kernels.cpu import build
+    g = torch.Generator().manual_seed(m * 3 + silu)
+    k, n = 96, 64
+    w = il.quantize_weight(torch.randn(n, k, generator=g) * 0.2, silu_gated=silu)
+    assert w.silu_gated == silu
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    wide = (torch.randn(m, k + 8, generator=g) * 2).to(dtype)
+    h = wide[:, 4:4 + k]  # rows k + 8 apart
+    residual = (torch.randn(m, k, generator=g) * 3).to(dtype) if with_residual else None
+    ref_res = residual.clone() if with_residual else None
+    ref_normed = ops.add_rmsnorm(h, ref_res, norm_w, 1e-5)
+    ref = il.int8_linear_silu(ref_normed, w, None) if silu else il.int8_linear(ref_normed, w, None)
+    normed = torch.empty(m, k, dtype=dtype)
+    out = torch.empty(m, n // 2 if silu else n, dtype=dtype)
+    code = ops._DTYPE_CODE[dtype]
+    rc = build.load().radixlm_int8_linear_norm(
+        code, h.data_ptr(), h.stride(0), residual.data_ptr() if with_residual else None, norm_w.data_ptr(), 1e-5,
+        normed.data_ptr(), m, k, w.packed.data_ptr(), w.comp.data_ptr(), w.scale.data_ptr(), n, code, None,
+        out.data_ptr(), out.shape[1], int(silu), 2)
+    assert rc == 0
+    assert torch.equal(normed, ref_normed) and torch.equal(out, ref)
+    if with_residual:
+        assert torch.equal(residual, ref_res)
+
+
 def test_silu_gated_packing_needs_whole_tiles():
     """An MLP width that is not a multiple of 16 keeps the plain packing (and the unfused
     pair); the row order round-trips."""
