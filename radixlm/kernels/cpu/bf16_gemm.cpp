@@ -16,14 +16,19 @@
 // bit for bit (speculative verification relies on it).
 //
 // Tasks: gemm_tasks.h.
+//
+// bf16_linear_silu: a gate_up weight packed with 32 gate rows and the 32 matching up rows per
+// panel (bf16_gemm.py: silu_gated), whose epilogue is silu(gate) * up: out [M, N / 2], bit for
+// bit the plain GEMM followed by silu_mul (rowwise_avx512.h's store_silu_mul16).
 
 #include <stdint.h>
 #include <string.h>
 #include <algorithm>
 
 #include "gemm_tasks.h"
+#include "rowwise_avx512.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef RADIXLM_ROWWISE_AVX512  // AVX512-BF16 (with F, BW and VL, as every CPU that has it)
 #include <immintrin.h>
 #define RADIXLM_BF16_GEMM 1
 #endif
@@ -48,7 +53,7 @@ inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
 // The tile also fetches k pairs [pf0, pf1) of the panel its thread multiplies next (pf) into
 // L2, spread evenly over its own k loop, so that panel's first micro-tile does not wait for
 // DRAM (each k pair of a panel is 4 cache lines).
-template <int MR, bool Fetch, typename TO>
+template <int MR, bool Fetch, typename TO, bool kSilu>
 void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const uint16_t* bias, TO* out,
                 int64_t os, int ncols, const uint16_t* pf, int pf0, int pf1) {
   __m512 acc[MR][4];
@@ -77,6 +82,18 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
   }
+  if constexpr (kSilu) {  // vectors 0-1: the gate's 32 columns, 2-3: the up's (whole panels only)
+    __m512 b[4];
+    for (int j = 0; j < 4; ++j)
+      b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16 * j))), 16))
+                  : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2; ++j)
+        radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b[j]),
+                                           _mm512_add_ps(acc[m][j + 2], b[j + 2]));
+    return;
+  }
   for (int j = 0; j < 4; ++j) {
     const int left = ncols - 16 * j;
     if (left <= 0) break;
@@ -88,7 +105,8 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
   }
 }
 
-template <typename TO>
+// kSilu: the silu-gated panel layout, out has N / 2 columns.
+template <typename TO, bool kSilu = false>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
                  TO* out, int64_t os, int nthreads) {
   const int K2 = K / 2;
@@ -100,15 +118,15 @@ void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const uint16_t* b = bias ? bias + c0 : nullptr;
     const uint16_t* xr = x + m0 * xs;
-    TO* o = out + m0 * os + c0;
+    TO* o = out + m0 * os + (kSilu ? c0 / 2 : c0);
     const bool fetch = pf1 > pf0;
     switch (rows) {
 #define RADIXLM_TILE(R)                                                   \
   case R:                                                                 \
     if (fetch)                                                            \
-      micro_tile<R, true, TO>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
+      micro_tile<R, true, TO, kSilu>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
     else                                                                  \
-      micro_tile<R, false, TO>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
+      micro_tile<R, false, TO, kSilu>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
     break;
       RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
@@ -116,6 +134,25 @@ void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t
   });
 }
 #endif  // RADIXLM_BF16_GEMM
+
+template <bool kSilu>
+int bf16_linear_call(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N, const void* bias,
+                     int out_dtype, void* out, int64_t out_stride, int nthreads) {
+#ifdef RADIXLM_BF16_GEMM
+  if (K % 2 != 0) return -2;
+  if (out_dtype == 0)
+    bf16_linear<float, kSilu>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N,
+                              (const uint16_t*)bias, (float*)out, out_stride, nthreads);
+  else
+    bf16_linear<uint16_t, kSilu>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N,
+                                 (const uint16_t*)bias, (uint16_t*)out, out_stride, nthreads);
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out_dtype; (void)out;
+  (void)out_stride; (void)nthreads;
+  return -1;
+#endif
+}
 
 }  // namespace
 
@@ -134,20 +171,15 @@ int radixlm_bf16_gemm_available() {
 // 1 = bfloat16). Returns -1 when built without AVX512-BF16, -2 for an odd K.
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads) {
-#ifdef RADIXLM_BF16_GEMM
-  if (K % 2 != 0) return -2;
-  if (out_dtype == 0)
-    bf16_linear<float>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const uint16_t*)bias,
-                       (float*)out, out_stride, nthreads);
-  else
-    bf16_linear<uint16_t>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, (const uint16_t*)bias,
-                          (uint16_t*)out, out_stride, nthreads);
-  return 0;
-#else
-  (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out_dtype; (void)out;
-  (void)out_stride; (void)nthreads;
-  return -1;
-#endif
+  return bf16_linear_call<false>(x, x_stride, M, K, packed, N, bias, out_dtype, out, out_stride, nthreads);
+}
+
+// The gate_up weight in bf16_linear_silu's panel order (N = 2I, whole 64-column panels), bias
+// (if any) in that order too; out [M, N / 2]. -2 also for N not whole panels.
+int radixlm_bf16_linear_silu(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
+                             const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads) {
+  if (N % 64 != 0) return -2;
+  return bf16_linear_call<true>(x, x_stride, M, K, packed, N, bias, out_dtype, out, out_stride, nthreads);
 }
 
 }  // extern "C"

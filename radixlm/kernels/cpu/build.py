@@ -75,6 +75,7 @@ _SIGNATURES = {
     "radixlm_float_gemm_available": [],
     "radixlm_bf16_gemm_available": [],
     "radixlm_bf16_linear": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
+    "radixlm_bf16_linear_silu": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
     "radixlm_float_linear": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_extend_attention_available": [],
     "radixlm_extend_attention_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT,

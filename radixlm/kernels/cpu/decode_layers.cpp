@@ -48,6 +48,8 @@ int radixlm_int8_linear_norm(int x_dtype, const void* h, int64_t h_stride, void*
                              int64_t out_stride, int silu, int nthreads);
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads);
+int radixlm_bf16_linear_silu(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
+                             const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads);
 int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, int w_dtype,
                          const void* packed, int N, int out_dtype, const void* bias, void* out, int64_t out_stride,
                          int nthreads);
@@ -56,8 +58,9 @@ int radixlm_float_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M
 namespace {
 
 // Every field is 8 bytes wide, so the ctypes mirror (decode_layers.py) has no padding to match.
-// kInt8Silu: gate_up only, packed silu-gated (int8_linear.py): the GEMM gives silu(gate) * up.
-enum LinearKind : int64_t { kInt8 = 1, kBf16Panels = 2, kFloatPanels = 3, kInt8Silu = 4 };
+// kInt8Silu, kBf16PanelsSilu: gate_up only, packed silu-gated (gate_up_order.py): the GEMM
+// gives silu(gate) * up, N / 2 columns.
+enum LinearKind : int64_t { kInt8 = 1, kBf16Panels = 2, kFloatPanels = 3, kInt8Silu = 4, kBf16PanelsSilu = 5 };
 
 struct Linear {
   int64_t kind, n, k, w_dtype;  // w_dtype: the float panels' dtype code (kFloatPanels only)
@@ -66,6 +69,8 @@ struct Linear {
   const void* scale;            // int8 only
   const void* bias;             // in the model dtype, or null
 };
+
+inline bool gives_silu(const Linear& L) { return L.kind == kInt8Silu || L.kind == kBf16PanelsSilu; }
 
 struct Layer {
   const void* in_norm;
@@ -95,6 +100,8 @@ int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, 
                                  (const float*)L.scale, (int)L.n, dtype, L.bias, out, L.n, nt);
     case kBf16Panels:
       return radixlm_bf16_linear(x, L.k, M, (int)L.k, L.w, (int)L.n, L.bias, dtype, out, L.n, nt);
+    case kBf16PanelsSilu:
+      return radixlm_bf16_linear_silu(x, L.k, M, (int)L.k, L.w, (int)L.n, L.bias, dtype, out, L.n / 2, nt);
     case kFloatPanels:
       return radixlm_float_linear(dtype, x, L.k, M, (int)L.k, (int)L.w_dtype, L.w, (int)L.n, dtype, L.bias, out,
                                   L.n, nt);
@@ -170,7 +177,7 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
         return fail(l, 4);
     }
     if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
-    if (L.gate_up.kind == kInt8Silu) {  // silu(gate) * up straight into act
+    if (gives_silu(L.gate_up)) {  // silu(gate) * up straight into act
       if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, act, I, nt)) return fail(l, 7);
     } else {
       if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, gu, 2 * I, nt))

@@ -15,7 +15,7 @@ import torch
 from radixlm.kernels.cpu.build import load
 from radixlm.kernels.cpu.ops import _DTYPE_CODE
 
-INT8, BF16_PANELS, FLOAT_PANELS, INT8_SILU = 1, 2, 3, 4  # decode_layers.cpp LinearKind
+INT8, BF16_PANELS, FLOAT_PANELS, INT8_SILU, BF16_PANELS_SILU = 1, 2, 3, 4, 5  # decode_layers.cpp LinearKind
 
 
 class _Linear(ctypes.Structure):
@@ -42,9 +42,9 @@ class _Step(ctypes.Structure):
 @dataclass
 class LinearSpec:
     """One linear as its kernel takes it: kind INT8 (w = packed tiles, comp, scale: an
-    int8_linear.Int8Weight; INT8_SILU: a silu-gated gate_up, whose GEMM gives silu(gate) * up,
-    its bias in the tiles' order), BF16_PANELS or FLOAT_PANELS (w = the panels); bias in the
-    model dtype or None."""
+    int8_linear.Int8Weight), BF16_PANELS or FLOAT_PANELS (w = the panels); INT8_SILU and
+    BF16_PANELS_SILU: a silu-gated gate_up (gate_up_order.py), whose GEMM gives silu(gate) * up,
+    its bias in that order; bias in the model dtype or None."""
     kind: int
     n: int
     k: int

@@ -348,10 +348,12 @@ def bf16_gemm_available() -> bool:
 
 
 def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
-                out_dtype: torch.dtype) -> torch.Tensor | None:
+                out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor | None:
     """x [M, K] bfloat16 (rows contiguous, K even) times a weight packed by bf16_gemm.pack_weight
     (panels [ceil(n / 64), K / 2, 64, 2] bfloat16, n output columns) -> [M, n] in out_dtype
-    (float32/bfloat16); bias, if given, bfloat16 [n] (the weight's dtype). None when unsupported."""
+    (float32/bfloat16); bias, if given, bfloat16 [n] (the weight's dtype). silu: a gate_up
+    weight in the silu-gated panel order (n = 2I, whole panels) -> silu(gate) * up [M, n / 2]
+    (bf16_gemm.cpp bf16_linear_silu). None when unsupported."""
     lib = load()
     if lib is None or x.dtype != torch.bfloat16 or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
         return None
@@ -360,10 +362,11 @@ def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     m, k = x.shape
-    out = torch.empty((m, n), dtype=out_dtype)
-    rc = lib.radixlm_bf16_linear(_ptr(x), x.stride(0), m, k, _ptr(panels), n,
-                                 _ptr(bias) if bias is not None else None, _DTYPE_CODE[out_dtype], _ptr(out), n,
-                                 torch.get_num_threads())
+    n_out = n // 2 if silu else n
+    out = torch.empty((m, n_out), dtype=out_dtype)
+    fn = lib.radixlm_bf16_linear_silu if silu else lib.radixlm_bf16_linear
+    rc = fn(_ptr(x), x.stride(0), m, k, _ptr(panels), n, _ptr(bias) if bias is not None else None,
+            _DTYPE_CODE[out_dtype], _ptr(out), n_out, torch.get_num_threads())
     return out if rc == 0 else None
 
 

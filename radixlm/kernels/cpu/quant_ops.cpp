@@ -199,7 +199,7 @@ inline void store_row(uint16_t* o, __mmask16 mask, __m512 f) {
 template <typename TO>
 inline void store_silu_mul(TO* o, __m512 g, __m512 u) {
 #ifdef RADIXLM_ROWWISE_AVX512
-  radixlm::rowwise::store16(o, 0xffff, radixlm::rowwise::silu_mul16(radixlm::rowwise::round_to(o, g), radixlm::rowwise::round_to(o, u)));
+  radixlm::rowwise::store_silu_mul16(o, g, u);
 #else
   alignas(64) TO gb[16], ub[16];
   store_row(gb, 0xffff, g);

@@ -49,6 +49,13 @@ inline __m512 silu_mul16(__m512 gv, __m512 uv) {
   return _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv);
 }
 
+// 16 lanes of a fused GEMM epilogue: g and u rounded to T as their stores would round them,
+// then silu(g) * u stored: bit for bit a store of both followed by silu_mul_row.
+template <typename T>
+inline void store_silu_mul16(T* o, __m512 g, __m512 u) {
+  store16(o, 0xFFFF, silu_mul16(round_to(o, g), round_to(o, u)));
+}
+
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int I) {
   for (int i = 0; i < I; i += 16) {

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.srt.layers import bf16_gemm
 from radixlm.srt.layers.int8_linear import int8_linear_silu
 from radixlm.srt.layers.linear import Linear
 
@@ -30,9 +31,18 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(self._silu_mul_gate_up(x))
+
+    def _silu_mul_gate_up(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         if gate_up.quantization is not None:
             w = gate_up.int8_weight()
             if w.silu_gated:  # SiLU * mul in the int8 GEMM's epilogue
-                return self.down_proj.forward(int8_linear_silu(x, w, gate_up.bias))
-        return self.down_proj.forward(silu_and_mul(gate_up.forward(x)))
+                return int8_linear_silu(x, w, gate_up.bias)
+        else:
+            packed = gate_up.packed_weight()
+            if isinstance(packed, bf16_gemm.PackedBf16Weight) and packed.silu_gated:  # in the bf16 GEMM's
+                out = bf16_gemm.linear_silu(x, packed, gate_up.bias)
+                if out is not None:
+                    return out
+        return silu_and_mul(gate_up.forward(x))

@@ -10,6 +10,10 @@ order of the float32 summation. Each row's result does not depend on the rows be
 
 Like the other packed copies (linear.py) it is derived state, dropped by
 Linear.invalidate_packed() when the weight changes; RADIXLM_BF16_GEMM=0 goes back to oneDNN.
+
+A gated MLP's gate_up is packed silu-gated (gate_up_order.py: 32 gate and the 32 matching up
+rows per panel) and `linear_silu` returns silu(gate) * up from the GEMM's epilogue, bit for bit
+the plain GEMM followed by silu_mul.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import radixlm.envs as envs
 from radixlm.kernels.cpu import ops
 from radixlm.kernels.cpu.hugepages import empty_hugepage
 from radixlm.srt.layers.float_gemm import padded_rows
+from radixlm.srt.layers.gate_up_order import can_gate, gate_up_order, silu_gated_order
 
 PANEL = 64  # output columns per panel (bf16_gemm.cpp kNR)
 
@@ -30,6 +35,7 @@ class PackedBf16Weight:
     out_features: int
     in_features: int
     panels: torch.Tensor  # [ceil(out / 64), in / 2, 64, 2] bfloat16
+    silu_gated: bool = False  # rows in silu_gated_order (a gate_up weight): linear_silu applies
 
 
 def available() -> bool:
@@ -42,14 +48,16 @@ def wanted(dtype: torch.dtype, device: torch.device | str, in_features: int) -> 
             and envs.bf16_gemm_enabled() and available())
 
 
-def pack_weight(weight: torch.Tensor) -> PackedBf16Weight:
-    """panels[p, k2, c, i] = weight[64 p + c, 2 k2 + i], zero-padded to whole panels."""
+def pack_weight(weight: torch.Tensor, silu_gated: bool = False) -> PackedBf16Weight:
+    """panels[p, k2, c, i] = weight[64 p + c, 2 k2 + i], zero-padded to whole panels.
+    silu_gated: a gated MLP's [gate; up], packed in silu_gated_order where it fills whole panels."""
     with torch.inference_mode(False), torch.no_grad():
         n, k = weight.shape
-        w = padded_rows(weight, PANEL)
+        gated = silu_gated and can_gate(n, PANEL)
+        w = padded_rows(silu_gated_order(weight, PANEL) if gated else weight, PANEL)
         panels = empty_hugepage((w.shape[0] // PANEL, k // 2, PANEL, 2), torch.bfloat16)  # streamed every step
         panels.copy_(w.view(-1, PANEL, k // 2, 2).transpose(1, 2))
-        return PackedBf16Weight(n, k, panels)
+        return PackedBf16Weight(n, k, panels, gated)
 
 
 def linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None,
@@ -57,9 +65,27 @@ def linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None,
     """x [..., in] bfloat16 (bias, if given, bfloat16) -> [..., out] in out_dtype (default
     x.dtype); None when the kernel does not take these inputs (the caller falls back to torch)."""
     out_dtype = out_dtype or x.dtype
+    if weight.silu_gated and bias is not None:
+        bias = silu_gated_order(bias, PANEL)
+    out = _call(x, weight, bias, out_dtype, silu=False)
+    if out is not None and weight.silu_gated:  # not the MLP's own path (linear_silu): rows back in order
+        out = gate_up_order(out, PANEL)
+    return out
+
+
+def linear_silu(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up of a silu-gated gate_up weight: x [..., in] bfloat16 -> [..., out / 2]
+    bfloat16, bias in the [gate | up] order of the float weight; None as `linear`."""
+    if bias is not None:
+        bias = silu_gated_order(bias, PANEL)
+    return _call(x, weight, bias, x.dtype, silu=True)
+
+
+def _call(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None, out_dtype: torch.dtype,
+          silu: bool) -> torch.Tensor | None:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = ops.bf16_linear(x2, weight.panels, weight.out_features, bias, out_dtype)
-    return None if out is None else out.reshape(*lead, weight.out_features)
+    out = ops.bf16_linear(x2, weight.panels, weight.out_features, bias, out_dtype, silu=silu)
+    return None if out is None else out.reshape(*lead, out.shape[-1])

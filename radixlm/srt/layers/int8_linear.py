@@ -32,13 +32,13 @@ import torch
 
 from radixlm.kernels.cpu import ops
 from radixlm.kernels.cpu.hugepages import empty_hugepage
+from radixlm.srt.layers.gate_up_order import can_gate, gate_up_order, silu_gated_order
 
 QUANTIZATION_METHODS = ("w8a8_int8",)
 
 
 GROUP = 32       # input features per activation scale (quant_ops.cpp kGroup)
 TILE_COLS = 32   # output columns per tile of the packed layout (quant_ops.cpp kTileCols)
-SILU_HALF = TILE_COLS // 2  # gate (then up) rows per tile of a silu-gated weight
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # rows the native kernel reads and writes
 
 
@@ -84,23 +84,10 @@ def quantize_weight(weight: torch.Tensor, pack: bool | None = None, silu_gated: 
             pack = weight.device.type == "cpu" and native_available()
         if not pack:
             return Int8Weight(q.shape[0], q.shape[1], scale.contiguous(), qweight=q.contiguous())
-        if silu_gated and q.shape[0] % TILE_COLS == 0:
-            return pack_int8_weight(silu_gated_order(q), silu_gated_order(scale), silu_gated=True)
+        if silu_gated and can_gate(q.shape[0], TILE_COLS):
+            return pack_int8_weight(silu_gated_order(q, TILE_COLS), silu_gated_order(scale, TILE_COLS),
+                                    silu_gated=True)
         return pack_int8_weight(q, scale)
-
-
-def silu_gated_order(t: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows (2I, first dimension) -> per 32-row tile 16 gate rows then the 16
-    matching up rows. I must be a multiple of 16."""
-    rows = t.shape[0]
-    return t.reshape(2, rows // TILE_COLS, SILU_HALF, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()
-
-
-def gate_up_order(t: torch.Tensor) -> torch.Tensor:
-    """The inverse of silu_gated_order over the last dimension: [..., tile order] -> [..., gate | up]."""
-    cols = t.shape[-1]
-    lead = t.shape[:-1]
-    return t.reshape(*lead, cols // TILE_COLS, 2, SILU_HALF).transpose(-3, -2).reshape(*lead, cols)
 
 
 def pack_int8_weight(q: torch.Tensor, scale: torch.Tensor, silu_gated: bool = False) -> Int8Weight:
@@ -148,9 +135,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,
     """x [..., in] -> [..., out] in out_dtype (default x.dtype)."""
     out_dtype = out_dtype or x.dtype
     if weight.silu_gated:  # not the MLP's own path (int8_linear_silu): the plain GEMM, rows reordered back
-        bias = silu_gated_order(bias) if bias is not None else None
-        return gate_up_order(_packed_linear(x.reshape(-1, x.shape[-1]), weight, bias, out_dtype)).reshape(
-            *x.shape[:-1], weight.out_features)
+        bias = silu_gated_order(bias, TILE_COLS) if bias is not None else None
+        out = _packed_linear(x.reshape(-1, x.shape[-1]), weight, bias, out_dtype)
+        return gate_up_order(out, TILE_COLS).reshape(*x.shape[:-1], weight.out_features)
     gemm = weight.gemm
     if (gemm is not None and x.dim() == 2 and x.stride(1) == 1 and x.dtype in _NATIVE_DTYPES
             and out_dtype in _NATIVE_DTYPES and (bias is None or (bias.dtype == out_dtype and bias.is_contiguous()))):
@@ -168,7 +155,7 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
     """silu(gate) * up of a silu-gated gate_up weight: x [..., in] -> [..., out / 2] in x.dtype,
     bias in the [gate | up] order of the float weight."""
     if bias is not None:
-        bias = silu_gated_order(bias.to(x.dtype))
+        bias = silu_gated_order(bias.to(x.dtype), TILE_COLS)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if weight.gemm is not None and x2.stride(1) == 1 and x2.dtype in _NATIVE_DTYPES:

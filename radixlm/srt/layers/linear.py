@@ -55,10 +55,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 Packed = torch.Tensor | float_gemm.PackedFloatWeight | bf16_gemm.PackedBf16Weight  # oneDNN-blocked or radixlm panels
 
 
-def pack_for(weight: torch.Tensor) -> Packed | None:
-    """The packed copy a float weight is multiplied through on this CPU, or None (F.linear)."""
+def pack_for(weight: torch.Tensor, silu_gated: bool = False) -> Packed | None:
+    """The packed copy a float weight is multiplied through on this CPU, or None (F.linear).
+    silu_gated: a gated MLP's [gate; up] (Linear(silu_gated=True))."""
     if bf16_gemm.wanted(weight.dtype, weight.device, weight.shape[1]):
-        return bf16_gemm.pack_weight(weight)
+        return bf16_gemm.pack_weight(weight, silu_gated)
     if mkldnn_pack_supported(weight.dtype, weight.device):
         return pack_weight(weight)
     if float_gemm.wanted(weight.dtype, weight.device):
@@ -89,8 +90,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype | None = None, silu_gated: bool = False) -> None:
-        """silu_gated: the weight is a gated MLP's [gate; up], whose int8 copy is packed for
-        int8_linear_silu (layers/int8_linear.py); forward still returns [gate | up]."""
+        """silu_gated: the weight is a gated MLP's [gate; up], whose int8 or bf16-panel copy is
+        packed for SiLU * mul in the GEMM's epilogue (GatedMLP); forward still returns [gate | up]."""
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -114,7 +115,7 @@ class Linear(nn.Module):
         """The packed copy of the float weight this Linear multiplies through (built on first
         use), or None where it calls F.linear."""
         if self._pack_ok is None:
-            self._packed = pack_for(self.weight)
+            self._packed = pack_for(self.weight, self.silu_gated)
             self._pack_ok = self._packed is not None
         return self._packed
 

@@ -28,7 +28,8 @@ import radixlm.envs as envs
 from radixlm.kernels.cpu import decode_layers as native
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.layers import bf16_gemm, float_gemm
-from radixlm.srt.layers.int8_linear import silu_gated_order
+from radixlm.srt.layers.gate_up_order import silu_gated_order
+from radixlm.srt.layers.int8_linear import TILE_COLS
 from radixlm.srt.layers.linear import Linear
 from radixlm.srt.layers.rotary import BatchRope
 from radixlm.srt.model_runner.attention.cpu import CpuNativeAttention
@@ -46,12 +47,16 @@ def _linear_spec(lin: Linear, dtype: torch.dtype) -> native.LinearSpec | None:
         if w.gemm is None or w.packed is None:
             return None
         if w.silu_gated:
-            bias = silu_gated_order(bias) if bias is not None else None
+            bias = silu_gated_order(bias, TILE_COLS) if bias is not None else None
             return native.LinearSpec(native.INT8_SILU, w.out_features, w.in_features, w.packed, w.comp, w.scale,
                                      bias)
         return native.LinearSpec(native.INT8, w.out_features, w.in_features, w.packed, w.comp, w.scale, bias)
     packed = lin.packed_weight()
     if isinstance(packed, bf16_gemm.PackedBf16Weight) and dtype == torch.bfloat16:
+        if packed.silu_gated:
+            bias = silu_gated_order(bias, bf16_gemm.PANEL) if bias is not None else None
+            return native.LinearSpec(native.BF16_PANELS_SILU, packed.out_features, packed.in_features,
+                                     packed.panels, bias=bias)
         return native.LinearSpec(native.BF16_PANELS, packed.out_features, packed.in_features, packed.panels,
                                  bias=bias)
     if isinstance(packed, float_gemm.PackedFloatWeight) and packed.panels.dtype in _DTYPES:

@@ -77,3 +77,40 @@ def test_linear_module_takes_it_and_reverts_to_onednn_when_turned_off(monkeypatc
         theirs = lin(x)
         assert not isinstance(lin._packed, bf16_gemm.PackedBf16Weight)
     torch.testing.assert_close(ours.float(), theirs.float(), atol=0.1, rtol=1e-2)
+
+
+@pytest.mark.parametrize("m,k,inter", [(1, 576, 1536), (32, 576, 1536), (7, 70, 64), (300, 64, 32), (100, 96, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_gated_panels_are_the_unfused_pair_bit_for_bit(m, k, inter, with_bias):
+    """A gate_up weight packed silu-gated (32 gate and 32 up rows per panel): linear_silu (SiLU *
+    mul in the GEMM's epilogue) is silu_mul over the plain packing's output, gates below -88
+    included; linear over the gated packing still returns [gate | up]."""
+    g = torch.Generator().manual_seed(m * 5 + k + inter)
+    w = torch.randn(2 * inter, k, generator=g) * 0.1
+    w[:inter] *= 40
+    w = w.bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = (torch.randn(2 * inter, generator=g) * 3).bfloat16() if with_bias else None
+    plain, gated = bf16_gemm.pack_weight(w), bf16_gemm.pack_weight(w, silu_gated=True)
+    assert gated.silu_gated and not plain.silu_gated
+    unfused = bf16_gemm.linear(x, plain, bias)
+    assert unfused[:, :inter].float().min() < -100
+    got = bf16_gemm.linear_silu(x, gated, bias)
+    assert got is not None and got.shape == (m, inter)
+    assert torch.equal(got, ops.silu_mul(unfused))
+    assert torch.equal(bf16_gemm.linear(x, gated, bias), unfused)
+    assert not bf16_gemm.pack_weight(w[:2 * inter - 32], silu_gated=True).silu_gated  # not whole panels
+
+
+def test_gated_mlp_takes_the_fused_epilogue_in_bf16():
+    from radixlm.srt.layers.activation import GatedMLP
+    g = torch.Generator().manual_seed(9)
+    mlp = GatedMLP(64, 96, dtype=torch.bfloat16)
+    for lin in (mlp.gate_up_proj, mlp.down_proj):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.2)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    got = mlp.forward(x)
+    assert mlp.gate_up_proj.packed_weight().silu_gated
+    act = ops.silu_mul(bf16_gemm.linear(x, bf16_gemm.pack_weight(mlp.gate_up_proj.weight), None))
+    assert torch.equal(got, bf16_gemm.linear(act, mlp.down_proj.packed_weight(), None))
+    assert torch.equal(mlp.gate_up_proj.forward(x), bf16_gemm.linear(x, bf16_gemm.pack_weight(mlp.gate_up_proj.weight), None))

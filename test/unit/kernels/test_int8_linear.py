@@ -133,7 +133,7 @@ def test_silu_gated_gemm_is_the_unfused_pair_bit_for_bit(dtype, m, k, inter, wit
     assert got.shape == (m, inter) and got.dtype == dtype
     assert torch.equal(got, want)
     generic = ops.int8_linear(x, gated.packed, gated.comp, gated.scale, 2 * inter,
-                              il.silu_gated_order(bias) if bias is not None else None, dtype, silu=True)
+                              il.silu_gated_order(bias, il.TILE_COLS) if bias is not None else None, dtype, silu=True)
     assert torch.equal(generic, want)  # the checked call, as the bound one
     assert torch.equal(il.int8_linear(x, gated, bias), unfused)
     x3 = x.reshape(1, m, k)
@@ -198,9 +198,9 @@ def test_silu_gated_packing_needs_whole_tiles():
     if ops.int8_linear_available():
         assert not il.quantize_weight(w, silu_gated=True).silu_gated
     t = torch.arange(64)
-    order = il.silu_gated_order(t)
+    order = il.silu_gated_order(t, il.TILE_COLS)
     assert order[:16].tolist() == list(range(16)) and order[16:32].tolist() == list(range(32, 48))
-    assert torch.equal(il.gate_up_order(order), t)
+    assert torch.equal(il.gate_up_order(order, il.TILE_COLS), t)
 
 
 def test_quantized_linear_error_is_small():

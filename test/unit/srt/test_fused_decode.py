@@ -125,8 +125,12 @@ def test_fused_decode_matches_python_layers(request, monkeypatch, fixture, dtype
     ran = _count_fused(monkeypatch)
     # Short extends are decode-style rows (one per new token): fused too.
     assert _decode_both_ways(s, monkeypatch, ran, [0, 1, 2], [0, 0, 0], [30, 9, 17])
-    if quantization:  # the MLP's SiLU * mul runs in the gate_up GEMM's epilogue (silu-gated packing)
-        assert {spec.gate_up.kind for spec in s.model._fused_decode._table._keep[0]} == {native.INT8_SILU}
+    # the MLP's SiLU * mul runs in the gate_up GEMM's epilogue (silu-gated packing)
+    kinds = {spec.gate_up.kind for spec in s.model._fused_decode._table._keep[0]}
+    if quantization:
+        assert kinds == {native.INT8_SILU}
+    elif dtype == torch.bfloat16 and cpu_ops.bf16_gemm_available():
+        assert kinds == {native.BF16_PANELS_SILU}
     assert _decode_both_ways(s, monkeypatch, ran, [0, 1, 2], [30, 9, 17])
     assert _decode_both_ways(s, monkeypatch, ran, [3], [0], [5])
     assert _decode_both_ways(s, monkeypatch, ran, [2, 3, 0], [18, 5, 31])  # ragged, reordered
