@@ -1,11 +1,16 @@
 // AVX2 + FMA helpers for the CPU kernels on processors without AVX-512 (e.g. AMD Zen 3):
 // 8-lane float32 loads/stores of float32 or bfloat16 rows (bfloat16 rounded to nearest even
 // as torch does, NaN kept a quiet NaN: the same numbers as bf16.h's scalar from_f), an exp,
-// and horizontal reductions. Only compiled where the AVX-512 paths are not.
+// and horizontal reductions. RADIXLM_AVX2 (the kernels' AVX2 code paths) only where the AVX-512
+// paths are not; the helpers themselves wherever AVX2 + FMA are (row_spans.h uses them on
+// AVX-512 machines without AVX512-BF16 too).
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__)
 #define RADIXLM_AVX2 1
+#endif
+#define RADIXLM_AVX2_HELPERS 1
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -65,8 +70,9 @@ inline __m256i hsum8x8i(const __m256i* a) {
                           _mm256_permute2x128_si256(s0123, s4567, 0x31));
 }
 
-// exp(x) for x <= 0 (softmax numerators): 2^n * exp(r), n = round(x / ln2), Cephes' expf
-// polynomial (decode_tasks.h exp512 in 8 lanes); below -87 it returns ~0.
+// exp(x) for x <= 88 (softmax numerators, SiLU's e^-g capped at e^80): 2^n * exp(r),
+// n = round(x / ln2), Cephes' expf polynomial (decode_tasks.h exp512 in 8 lanes); below -87 it
+// returns ~0.
 inline __m256 exp256(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -80,7 +86,7 @@ inline __m256 exp256(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  // * 2^n: n in [-126, 0] here, added to the exponent field
+  // * 2^n: n in [-126, 127] here, added to the exponent field
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

@@ -3,11 +3,12 @@
 // SiLU * mul as the gate_up epilogue): one definition each, so the fused and the separate
 // kernels give the same bits.
 //
-// Out of line on purpose: inlined into two contexts, gcc may vectorise a scalar loop in one
-// (glibc's vector expf under -ffast-math) and not in the other, and the two expfs differ in the
-// last bit. One instantiation (a template's copies are merged at link time) keeps one set of
-// numbers. The AVX-512 SiLU epilogue calls rowwise::silu_mul16 inline instead, the same
-// instructions as silu_mul_row.
+// SiLU is explicit vector code (AVX-512, else AVX2 with a padded tail): left to the compiler,
+// a scalar loop mixes glibc's vector expf (the vectorised body) and its scalar expf (peeled or
+// tail elements, which depend on the row's alignment and length), and the two differ in the
+// last bit, so a 16-column epilogue and a whole row would not agree. Out of line, one
+// instantiation each (a template's copies are merged at link time). The AVX-512 SiLU epilogue
+// calls rowwise::silu_mul16 inline instead, the same instructions as silu_mul_row.
 #pragma once
 
 #include <math.h>
@@ -15,16 +16,36 @@
 
 #include <algorithm>
 
+#include "avx2.h"
 #include "bf16.h"
 #include "rowwise_avx512.h"
 
 namespace radixlm {
+
+#if !defined(RADIXLM_ROWWISE_AVX512) && defined(RADIXLM_AVX2_HELPERS)
+// 8 lanes: g / (1 + e^min(-g, 80)) * u (e^-g capped: gcc under -ffast-math assumes no
+// infinities, and an infinite e^-g gave NaN instead of -0).
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(80.f)));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), u);
+}
+#endif
 
 // o[i] = silu(g[i]) * u[i], rounded once to T.
 template <typename T>
 __attribute__((noinline)) void silu_mul_span(const T* g, const T* u, T* o, int n) {
 #ifdef RADIXLM_ROWWISE_AVX512
   rowwise::silu_mul_row(g, u, o, n);
+#elif defined(RADIXLM_AVX2_HELPERS)
+  int i = 0;
+  for (; i + 8 <= n; i += 8) store8(o + i, silu_mul8(load8(g + i), load8(u + i)));
+  const int left = std::min(n - i, 7);
+  if (left > 0) {  // the tail through the same 8-lane code
+    T gt[8] = {}, ut[8] = {}, ot[8];
+    for (int j = 0; j < left; ++j) gt[j] = g[i + j], ut[j] = u[i + j];
+    store8(ot, silu_mul8(load8(gt), load8(ut)));
+    for (int j = 0; j < left; ++j) o[i + j] = ot[j];
+  }
 #else
   for (int i = 0; i < n; ++i) {
     // e^-g capped at e^80: built with -ffast-math, gcc assumes no infinities, and a gate
