@@ -42,6 +42,9 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
 int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                         const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
                         void* out, int64_t out_stride, int nthreads);
+int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                             const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
+                             void* out, int64_t out_stride, int nthreads);
 int radixlm_int8_linear_norm(int x_dtype, const void* h, int64_t h_stride, void* residual, const void* w, float eps,
                              void* normed, int64_t M, int K, const int8_t* packed, const int32_t* comp,
                              const float* w_scale, int N, int out_dtype, const void* bias, void* out,
@@ -98,6 +101,9 @@ int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, 
     case kInt8:
       return radixlm_int8_linear(dtype, x, L.k, M, (int)L.k, (const int8_t*)L.w, (const int32_t*)L.comp,
                                  (const float*)L.scale, (int)L.n, dtype, L.bias, out, L.n, nt);
+    case kInt8Silu:
+      return radixlm_int8_linear_silu(dtype, x, L.k, M, (int)L.k, (const int8_t*)L.w, (const int32_t*)L.comp,
+                                      (const float*)L.scale, (int)L.n, dtype, L.bias, out, L.n / 2, nt);
     case kBf16Panels:
       return radixlm_bf16_linear(x, L.k, M, (int)L.k, L.w, (int)L.n, L.bias, dtype, out, L.n, nt);
     case kBf16PanelsSilu:
@@ -115,7 +121,7 @@ int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, 
 // kInt8Silu L gives silu(gate) * up.
 int norm_then_linear(const Linear& L, int c, const void* h, void* residual, const void* norm_w, float eps, void* xn,
                      int64_t B, int64_t H, void* out, int64_t out_cols, int nt) {
-  if (L.kind == kInt8 || L.kind == kInt8Silu)
+  if ((L.kind == kInt8 || L.kind == kInt8Silu) && H <= 8192)  // (int8_linear_norm's row limit)
     return radixlm_int8_linear_norm(c, h, H, residual, norm_w, eps, xn, B, (int)H, (const int8_t*)L.w,
                                     (const int32_t*)L.comp, (const float*)L.scale, (int)L.n, c, L.bias, out,
                                     out_cols, L.kind == kInt8Silu, nt);
