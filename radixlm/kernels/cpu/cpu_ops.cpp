@@ -491,7 +491,7 @@ int radixlm_rope_inplace(int dtype, void* x, int64_t n, int64_t x_stride, int nh
 
 int radixlm_add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
                         int64_t n, int H, float eps, int nthreads) {
-  if (H > 8192) return -2;
+  if (H > radixlm::kMaxNormRow) return -2;
   if (dtype == 0)
     add_rmsnorm<float>((const float*)x, x_stride, (float*)residual, (const float*)w, (float*)out, n, H, eps,
                        nthreads);

@@ -21,6 +21,8 @@
 #include <string.h>
 #include <vector>
 
+#include "row_spans.h"
+
 extern "C" {
 int radixlm_add_rmsnorm(int dtype, const void* x, int64_t x_stride, void* residual, const void* w, void* out,
                         int64_t n, int H, float eps, int nthreads);
@@ -118,13 +120,13 @@ int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, 
 
 // out = L(add_rmsnorm(h, residual, norm_w)), the normed rows also left in xn (an int8 L does the
 // norm row by row in its own parallel region, the others after a separate add_rmsnorm); a
-// kInt8Silu L gives silu(gate) * up.
+// silu-gated L gives silu(gate) * up.
 int norm_then_linear(const Linear& L, int c, const void* h, void* residual, const void* norm_w, float eps, void* xn,
-                     int64_t B, int64_t H, void* out, int64_t out_cols, int nt) {
-  if ((L.kind == kInt8 || L.kind == kInt8Silu) && H <= 8192)  // (int8_linear_norm's row limit)
+                     int64_t B, int64_t H, void* out, int nt) {
+  if ((L.kind == kInt8 || L.kind == kInt8Silu) && H <= radixlm::kMaxNormRow)
     return radixlm_int8_linear_norm(c, h, H, residual, norm_w, eps, xn, B, (int)H, (const int8_t*)L.w,
                                     (const int32_t*)L.comp, (const float*)L.scale, (int)L.n, c, L.bias, out,
-                                    out_cols, L.kind == kInt8Silu, nt);
+                                    gives_silu(L) ? L.n / 2 : L.n, gives_silu(L), nt);
   if (radixlm_add_rmsnorm(c, h, H, residual, norm_w, xn, B, (int)H, eps, nt)) return -1;
   return run_linear(L, c, xn, B, out, nt);
 }
@@ -164,8 +166,8 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
     const Layer& L = layers[l];
     // Layer 0 normalises the embeddings, which stay as the residual stream; later layers add
     // the previous layer's MLP output into it first.
-    if (l == 0 ? norm_then_linear(L.qkv, c, residual, nullptr, L.in_norm, eps, xn, B, H, qkv, nqkv, nt)
-               : norm_then_linear(L.qkv, c, half, residual, L.in_norm, eps, xn, B, H, qkv, nqkv, nt))
+    if (l == 0 ? norm_then_linear(L.qkv, c, residual, nullptr, L.in_norm, eps, xn, B, H, qkv, nt)
+               : norm_then_linear(L.qkv, c, half, residual, L.in_norm, eps, xn, B, H, qkv, nt))
       return fail(l, 2);
     if (radixlm_rope_inplace(c, qkv, B, nqkv, (int)(Hq + Hkv), (int)D, s->positions, s->cos, s->sin, nt))
       return fail(l, 3);
@@ -183,13 +185,11 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
         return fail(l, 4);
     }
     if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
-    if (gives_silu(L.gate_up)) {  // silu(gate) * up straight into act
-      if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, act, I, nt)) return fail(l, 7);
-    } else {
-      if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, gu, 2 * I, nt))
-        return fail(l, 7);
-      radixlm_silu_mul(c, gu, act, B, (int)I, nt);
-    }
+    // A silu-gated gate_up writes silu(gate) * up straight into act.
+    const bool fused_silu = gives_silu(L.gate_up);
+    if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, fused_silu ? act : gu, nt))
+      return fail(l, 7);
+    if (!fused_silu) radixlm_silu_mul(c, gu, act, B, (int)I, nt);
     if (run_linear(L.down, c, act, B, half, nt)) return fail(l, 8);
   }
   if (num_layers == 0) return radixlm_add_rmsnorm(c, residual, H, nullptr, final_norm, out, B, (int)H, eps, nt);

@@ -534,12 +534,12 @@ int radixlm_int8_linear_silu(int x_dtype, const void* x, int64_t x_stride, int64
 
 // int8_linear (silu = 0) or int8_linear_silu (silu = 1) of the rows of normed [M, K] (dtype
 // x_dtype, as h, residual and w), which it first fills with add_rmsnorm(h, residual, w, eps):
-// residual [M, K] (contiguous) += h, or null for h alone. K <= 8192.
+// residual [M, K] (contiguous) += h, or null for h alone. K <= kMaxNormRow.
 int radixlm_int8_linear_norm(int x_dtype, const void* h, int64_t h_stride, void* residual, const void* w, float eps,
                              void* normed, int64_t M, int K, const int8_t* packed, const int32_t* comp,
                              const float* w_scale, int N, int out_dtype, const void* bias, void* out,
                              int64_t out_stride, int silu, int nthreads) {
-  if (K > 8192 || (silu && N % 32 != 0)) return -2;
+  if (K > radixlm::kMaxNormRow || (silu && N % 32 != 0)) return -2;
 #ifdef RADIXLM_INT8_GEMM
   NormIn<float> nf{(const float*)h, h_stride, (float*)residual, (const float*)w, eps, (float*)normed};
   NormIn<uint16_t> nb{(const uint16_t*)h, h_stride, (uint16_t*)residual, (const uint16_t*)w, eps, (uint16_t*)normed};

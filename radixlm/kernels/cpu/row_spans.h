@@ -22,6 +22,9 @@
 
 namespace radixlm {
 
+// The longest row add_rmsnorm_span takes (its portable path's buffer).
+constexpr int kMaxNormRow = 8192;
+
 #if !defined(RADIXLM_ROWWISE_AVX512) && defined(RADIXLM_AVX2_HELPERS)
 // 8 lanes: g / (1 + e^min(-g, 80)) * u (e^-g capped: gcc under -ffast-math assumes no
 // infinities, and an infinite e^-g gave NaN instead of -0).
@@ -56,14 +59,14 @@ __attribute__((noinline)) void silu_mul_span(const T* g, const T* u, T* o, int n
 #endif
 }
 
-// One row of H <= 8192 values: residual (if given) += x, rounded to T; out = rmsnorm(residual
+// One row of H <= kMaxNormRow values: residual (if given) += x, rounded to T; out = rmsnorm(residual
 // or x) * w, one rounding.
 template <typename T>
 __attribute__((noinline)) void add_rmsnorm_span(const T* x, T* residual, const T* w, T* out, int H, float eps) {
 #ifdef RADIXLM_ROWWISE_AVX512
   rowwise::add_rmsnorm_row(x, residual, w, out, H, eps);
 #else
-  float buf[8192];
+  float buf[kMaxNormRow];
   float ss = 0.f;
   if (residual) {
     for (int i = 0; i < H; ++i) {

@@ -161,12 +161,7 @@ def int8_linear_silu(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | N
     if weight.gemm is not None and x2.stride(1) == 1 and x2.dtype in _NATIVE_DTYPES:
         out = weight.gemm(x2, bias, x2.dtype)
     else:
-        xf = x2.float() if x2.dtype not in _NATIVE_DTYPES else x2.contiguous()
-        out = ops.int8_linear(xf, weight.packed, weight.comp, weight.scale, weight.out_features,
-                              bias.to(xf.dtype) if bias is not None else None, xf.dtype, silu=True)
-        if out is None:
-            raise RuntimeError("native int8 kernel refused a silu-gated weight it reported as supported")
-        out = out.to(x.dtype)
+        out = _packed_linear(x2, weight, bias, x.dtype, silu=True)
     return out.reshape(*lead, weight.out_features // 2)
 
 
@@ -182,7 +177,7 @@ def _torch_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | Non
 
 
 def _packed_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor:
     # The kernel takes float32/bf16 rows in and out; anything else (float16) goes through float32.
     kernel_out = out_dtype if out_dtype in _NATIVE_DTYPES else torch.float32
     if x2.dtype not in _NATIVE_DTYPES:
@@ -191,7 +186,8 @@ def _packed_linear(x2: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | No
         x2 = x2.contiguous()
     if bias is not None and bias.dtype != kernel_out:
         bias = bias.to(kernel_out)
-    out = ops.int8_linear(x2, weight.packed, weight.comp, weight.scale, weight.out_features, bias, kernel_out)
+    out = ops.int8_linear(x2, weight.packed, weight.comp, weight.scale, weight.out_features, bias, kernel_out,
+                          silu=silu)
     if out is None:
         raise RuntimeError("native int8 kernel refused a packed weight it reported as supported")
     return out if out.dtype == out_dtype else out.to(out_dtype)
