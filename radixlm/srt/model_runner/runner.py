@@ -301,10 +301,6 @@ class ModelRunner:
                 assert bool((fb.input_ids >= 0).all()), "placeholder for a row that sampled nothing"
             if snapshot_values_needed(batch):
                 fill_snapshots(batch, prev.result().next_token_ids)
-        start = self.stream.mark()
-        self.attn.init_forward_metadata(fb)
-        hidden = self.model.forward(fb, self.attn)
-
         # Rows whose logits are needed: each sampling request's last token, then the
         # positions whose next-token logprobs are prompt logprobs.
         ends: list[int] = []
@@ -320,15 +316,17 @@ class ModelRunner:
                 start_tok = ends[i] - batch.extend_lens[i]
                 lp_slices.append((i, len(rows), hi - lo))
                 rows.extend(range(start_tok + lo, start_tok + hi))
+        start = self.stream.mark()
+        self.attn.init_forward_metadata(fb)
+        # The model returns those rows only (hidden[i] is rows[i]'s), unless they are all.
+        every = len(rows) == len(batch.input_ids) and rows == list(range(len(rows)))
+        hidden = self.model.forward(fb, self.attn, None if every else device_tensor(rows, torch.int64, self.device))
         n = len(batch.reqs)
         ready: dict = {}
         sampled = None
         tokens = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
         if rows:
-            if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = self.model.compute_logits(hidden[device_tensor(rows, torch.int64, hidden.device)])
+            logits = self.model.compute_logits(hidden)
         if sample_idx:
             srows = []
             for i in sample_idx:

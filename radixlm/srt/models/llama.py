@@ -50,16 +50,19 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope: BatchRope, fb: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: BatchRope, fb: ForwardBatch, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's K/V is stored; the output is only for `rows` when given."""
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Rotate q and k together: they are adjacent head ranges of the fused output.
         qk = rope.apply(qkv[:, :self.num_heads + self.num_kv_heads])
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        o = attn.forward(q, k, v, self.layer_id, fb, self.scale)
-        return self.tp.all_reduce(self.o_proj.forward(o.reshape(t, self.q_size)))
+        o = attn.forward(q, k, v, self.layer_id, fb, self.scale).reshape(t, self.q_size)
+        if rows is not None:
+            o = o.index_select(0, rows)
+        return self.tp.all_reduce(self.o_proj.forward(o))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,7 +75,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: BatchRope,
-                fb: ForwardBatch, attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch, attn: AttentionBackend,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rows`: the only tokens whose outputs are needed (the last layer's caller knows them)."""
         # Pre-norm residual block; the residual add is fused into the next norm. Submodules
         # are called through .forward: nn.Module.__call__'s hook handling costs ~3 us per
         # call, ~10 calls per layer per step, and no hooks are ever registered here.
@@ -80,7 +85,11 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm.forward(hidden)
         else:
             hidden, residual = self.input_layernorm.forward(hidden, residual)
-        hidden = self.self_attn.forward(hidden, rope, fb, attn)
+        hidden = self.self_attn.forward(hidden, rope, fb, attn, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
+            if rows.numel() == 0:
+                return hidden, residual
         hidden, residual = self.post_attention_layernorm.forward(hidden, residual)
         return self.tp.all_reduce(self.mlp.forward(hidden)), residual  # down_proj is row-parallel
 
@@ -149,20 +158,30 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, fb: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of every token in the flat batch."""
+    def forward(self, fb: ForwardBatch, attn: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of every token in the flat batch, or with
+        `rows` (int64 token indices) [len(rows), hidden] of those tokens only.
+
+        Only the rows that become logits leave the model, so the last layer runs its output
+        projection, MLP and the final norm on those rows alone (a prefill chunk of 1,024
+        tokens needs one): ~1/num_layers of a long prefill. Every layer, the last included,
+        still stores every token's K/V."""
         hidden = vocab_parallel.embed(fb.input_ids, self.model.embed_tokens.weight, self.tp.layout.vocab, self.tp.comm)
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.
         rope = BatchRope.build(self.rotary, fb.positions, hidden.dtype, max_len)
         fused = self._fused_decode.forward(fb, attn, hidden, rope)  # None: not a step it takes
         if fused is not None:
-            return fused
+            return fused if rows is None else fused.index_select(0, rows)
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            hidden, residual = layer.forward(hidden, residual, rope, fb, attn)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer.forward(hidden, residual, rope, fb, attn, rows if i == last else None)
         if residual is None:  # zero layers
-            return self.model.norm.forward(hidden)
+            hidden = self.model.norm.forward(hidden)
+            return hidden if rows is None else hidden.index_select(0, rows)
+        if hidden.shape[0] == 0:
+            return hidden
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 
