@@ -49,17 +49,16 @@ constexpr int kQTile = 64;   // query tokens per task
 template <int D>
 constexpr int pv_rows() { return D <= 64 ? 6 : D <= 96 ? 3 : D <= 128 ? 2 : 1; }
 
-// 2^x for the softmax weights: a degree-4 polynomial of the fraction (relative error < 5e-5,
-// far below the bf16 rounding P gets before P @ V) and an exponent scale; half the work of
-// exp512. Very negative x (masked keys, the first block's correction) gives 0.
+// 2^x for the softmax weights: a degree-3 minimax polynomial of the fraction (relative error
+// < 7.5e-5, far below the bf16 rounding P gets before P @ V) and an exponent scale. Each FMA
+// here takes a slot from the vdpbf16ps on the same pipes. Very negative x (masked keys, the first block's correction) gives 0.
 inline __m512 exp2_512(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(5.51716472e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42611121e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93260989e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99928074e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -139,12 +138,14 @@ void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_
 
 // acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
 template <int D, int RG>
-inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const float* corr, float (*acc)[D]) {
+inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const float* corr, bool rescale,
+                     float (*acc)[D]) {
   constexpr int NC = D / 16;
   __m512 o[RG][NC];
   for (int r = 0; r < RG; ++r) {
     const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int c16 = 0; c16 < NC; ++c16) o[r][c16] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c16), c);
+    for (int c16 = 0; c16 < NC; ++c16)
+      o[r][c16] = rescale ? _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c16), c) : _mm512_load_ps(acc[r] + 16 * c16);
   }
   for (int jp = 0; jp < kKeys / 2; ++jp) {
     __m512i v[NC];
@@ -214,14 +215,21 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
       }
       __m512 mx = s[r][0];
       for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
-      bm[r] = std::max(m[r], _mm512_reduce_max_ps(mx));
+      bm[r] = _mm512_reduce_max_ps(mx);
     }
-    // Scores stay unscaled (m too): exp(scale * (s - m)) = 2^(s * c - m * c), one FMA per
-    // vector. Every row has key 0, so m is a real score after the first block; the rows'
-    // corrections are one vector exp.
-    _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(m), _mm512_load_ps(bm)), vc)));
+    // Lazy rescaling: a row's running maximum m moves only when a block's maximum passes it
+    // by more than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and
+    // bf16 alike), and most blocks need no correction of acc and l at all.
+    const __m512 mold = _mm512_load_ps(m);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
+                                            _mm512_set1_ps(8.f), _CMP_GT_OQ) & ((1u << kRows) - 1);
+    if (up) {
+      const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
+      _mm512_store_ps(m, mnew);
+      _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
+    }
     for (int r = 0; r < kRows; ++r) {
-      const __m512 mc = _mm512_set1_ps(bm[r] * c);
+      const __m512 mc = _mm512_set1_ps(m[r] * c);
       __m512 p[kTiles];
       for (int t = 0; t < kTiles; ++t) {
         p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));
@@ -229,15 +237,15 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
       }
       __m512 sum = p[0];
       for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
-      l[r] = _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum);
-      m[r] = bm[r];
+      l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
       for (int t = 0; t < kTiles; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
         _mm512_store_si512(pb[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
     }
     const uint32_t* vt = vp + k0 * D / 2;
     constexpr int RG = pv_rows<D>();
     static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
-    for (int r = 0; r < kRows; r += RG) pv_block<D, RG>(vt, pb + r, corr + r, acc + r);
+    for (int r = 0; r < kRows; r += RG)
+      pv_block<D, RG>(vt, pb + r, corr + r, (up >> r & ((1u << RG) - 1)) != 0, acc + r);
   }
   for (int r = 0; r < rows.n; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));

@@ -88,6 +88,27 @@ def test_matches_float64_reference_as_closely_as_torch_bf16(hq, hkv, d, prefixes
     assert err.mean().item() <= 2 * (ref.bfloat16().double() - ref).abs().mean().item(), err.mean().item()
 
 
+@pytest.mark.parametrize("ramp", [1.0, -1.0])
+def test_a_running_maximum_that_keeps_rising_rescales_what_is_already_summed(ramp):
+    """Keys aligned ever more (or less) with the queries: scores that climb by ~60 in log2
+    units along the context, so each row's running maximum passes the lazy-rescaling
+    threshold (8) again and again after many blocks are already in acc and l."""
+    batch = _batch([400], [150], 9, 3, 64, seed=3)
+    q, k_buf, v_buf, q_indptr, kv_indptr, kv_indices = batch
+    g = torch.Generator().manual_seed(4)
+    u = torch.randn(64, generator=g)
+    q.copy_((0.5 * u + 0.1 * torch.randn(q.shape, generator=g)).to(torch.bfloat16))
+    length = kv_indices.numel()
+    step = torch.linspace(0.0, 10.0, length) if ramp > 0 else torch.linspace(10.0, 0.0, length)
+    k_buf[kv_indices] = (step[:, None, None] * u + 0.1 * torch.randn(length, 3, 64, generator=g)).to(torch.bfloat16)
+    scale = 0.125
+    out = ops.extend_attention(*batch, scale)
+    ref = _reference(*batch, scale)
+    err = (out.double() - ref).abs()
+    assert err.max().item() <= 2 * _sdpa_bf16_error(*batch, scale, ref) + 8e-3, err.max().item()
+    assert err.mean().item() <= 2 * (ref.bfloat16().double() - ref).abs().mean().item() + 1e-4, err.mean().item()
+
+
 def test_request_groups_under_a_small_pack_budget_give_the_same_output():
     batch = _batch([0, 500, 64, 10], [100, 90, 300, 33], 9, 3, 64, seed=1)
     whole = ops.extend_attention(*batch, 0.125)
