@@ -59,10 +59,13 @@ class LlamaAttention(nn.Module):
         qk = rope.apply(qkv[:, :self.num_heads + self.num_kv_heads])
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        o = attn.forward(q, k, v, self.layer_id, fb, self.scale).reshape(t, self.q_size)
-        if rows is not None:
-            o = o.index_select(0, rows)
-        return self.tp.all_reduce(self.o_proj.forward(o))
+        if rows is None:
+            o = attn.forward(q, k, v, self.layer_id, fb, self.scale)
+        else:
+            o = attn.forward_rows(q, k, v, self.layer_id, fb, self.scale, rows)
+            if o.shape[0] == 0:  # a chunk that samples nothing: its K/V stored, nothing else to do
+                return x[:0]
+        return self.tp.all_reduce(self.o_proj.forward(o.reshape(o.shape[0], self.q_size)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -162,10 +165,10 @@ class LlamaForCausalLM(nn.Module):
         """Final-normed hidden states [T, hidden] of every token in the flat batch, or with
         `rows` (int64 token indices) [len(rows), hidden] of those tokens only.
 
-        Only the rows that become logits leave the model, so the last layer runs its output
-        projection, MLP and the final norm on those rows alone (a prefill chunk of 1,024
-        tokens needs one): ~1/num_layers of a long prefill. Every layer, the last included,
-        still stores every token's K/V."""
+        Only the rows that become logits leave the model, so the last layer attends
+        (`forward_rows`), projects, runs its MLP and the final norm for those rows alone (a
+        prefill chunk of 1,024 tokens needs one): ~1/num_layers of a long prefill. Every
+        layer, the last included, still stores every token's K/V."""
         hidden = vocab_parallel.embed(fb.input_ids, self.model.embed_tokens.weight, self.tp.layout.vocab, self.tp.comm)
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.

@@ -68,3 +68,59 @@ def test_rows_match_the_full_forward_and_every_kv_is_stored(tiny_llama_dir, back
     b = pruned.model.compute_logits(pruned.forward(ForwardMode.DECODE, step, [0, 1, 2], [140, 37, 5], [1, 1, 1],
                                                    [2, 0]))
     torch.testing.assert_close(b, a[[2, 0]], atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_d64_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """The tiny Llama with head_dim 64 (one of the prefill kernel's head sizes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test.conftest import TINY_SEED, TINY_SHAPE, _save_tiny
+
+    torch.manual_seed(TINY_SEED)
+    shape = dict(TINY_SHAPE, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(LlamaConfig(**shape, rope_theta=10000.0)).to(torch.float32)
+    return _save_tiny(model, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama_d64"))
+
+
+def test_the_prefill_kernel_attends_only_the_last_tokens_rows(tiny_llama_d64_dir, monkeypatch):
+    """rows = each sampling request's last token: the cpu backend's prefill kernel gets those
+    queries alone in the last layer (and the outputs still match the full forward)."""
+    from radixlm.kernels.cpu import ops as cpu_ops
+    from radixlm.srt.model_runner.attention import cpu as cpu_backend
+
+    full, pruned = _Model(tiny_llama_d64_dir, torch.bfloat16, "cpu"), _Model(tiny_llama_d64_dir, torch.bfloat16, "cpu")
+    if not pruned.attn.native_extend:
+        pytest.skip("no native prefill kernel here (AVX512-BF16)")
+    queries: list[int] = []
+    kernel = cpu_ops.extend_attention
+
+    def spy(q, *args, **kwargs):
+        queries.append(q.shape[0])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_backend.cpu_ops, "extend_attention", spy)
+    gen = torch.Generator().manual_seed(1)
+    ext = [100, 90, 70]
+    ids = torch.randint(5, full.cfg.vocab_size, (sum(ext),), generator=gen).tolist()
+    want = full.forward(ForwardMode.EXTEND, ids, [0, 1, 2], [0, 0, 0], ext)
+    queries.clear()
+    rows = [99, 189]  # requests 0 and 1 sample; request 2 is a chunk in the middle of its prompt
+    got = pruned.forward(ForwardMode.EXTEND, ids, [0, 1, 2], [0, 0, 0], ext, rows)
+    assert queries == [sum(ext)] * (full.cfg.num_hidden_layers - 1) + [2]
+    torch.testing.assert_close(got, want[rows], atol=2e-2, rtol=2e-2)
+    for a, b in zip(full.kv(), pruned.kv()):
+        assert torch.equal(a, b)
+
+
+def test_trailing_counts():
+    from radixlm.srt.model_runner.attention.cpu import _trailing_counts
+
+    assert _trailing_counts([4, 9], [5, 5]) == [1, 1]
+    assert _trailing_counts([3, 4, 9], [5, 5]) == [2, 1]
+    assert _trailing_counts([9], [5, 5]) == [0, 1]
+    assert _trailing_counts([], [5, 5]) == [0, 0]
+    assert _trailing_counts([3], [5, 5]) is None  # not the request's last token
+    assert _trailing_counts([9, 4], [5, 5]) is None  # out of batch order
+    assert _trailing_counts([4, 4], [5, 5]) is None  # a repeat
+    assert _trailing_counts([4, 10], [5, 5]) is None  # past the batch

@@ -35,6 +35,12 @@ class AttentionBackend(ABC):
                 fb: ForwardBatch, scale: float) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
 
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                     fb: ForwardBatch, scale: float, rows: torch.Tensor) -> torch.Tensor:
+        """forward()[rows]: every token's K/V is stored, only the `rows` (int64) are needed
+        out. A backend may attend for those rows alone."""
+        return self.forward(q, k, v, layer_id, fb, scale).index_select(0, rows)
+
 
 def create_attention_backend(name: str, kv_pool, num_heads: int, num_kv_heads: int,
                              head_dim: int) -> AttentionBackend:

@@ -148,6 +148,20 @@ class CpuNativeAttention(TorchNativeAttention):
             return self._attend_rows(q, layer_id, meta, scale)
         return self._decode_shared_native(q, layer_id, meta, scale)
 
+    def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                     fb: ForwardBatch, scale: float, rows: torch.Tensor) -> torch.Tensor:
+        """On the prefill kernel, when the rows are each request's last tokens (what sampling
+        needs), only their queries are attended: the kernel takes them as the requests' new
+        tokens, each seeing its own causal keys."""
+        meta = fb.attn_metadata
+        counts = _trailing_counts(rows.tolist(), fb.extend_seq_lens_cpu) if isinstance(meta, _NativeExtend) else None
+        if counts is None:
+            return super().forward_rows(q, k, v, layer_id, fb, scale, rows)
+        self._store(layer_id, k, v, fb.out_cache_loc)
+        own = _NativeExtend(build_indptr(torch.tensor(counts, dtype=torch.int64), torch.int64), meta.kv_indptr,
+                            meta.kv_indices)
+        return self._extend_native(q.index_select(0, rows), layer_id, own, scale)
+
     def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
         pool = self.kv_pool
         k_buf, v_buf = pool.get_kv(layer_id)
@@ -203,3 +217,19 @@ class CpuNativeAttention(TorchNativeAttention):
         # softmax over both key sets = weights sigmoid(lse_p - lse_s) and its complement.
         w_p = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)
         return (o_s.float().lerp_(o_p, w_p)).to(q.dtype)
+
+
+def _trailing_counts(rows: list[int], extend_lens: list[int]) -> list[int] | None:
+    """How many of each request's last new tokens `rows` names, when it names exactly
+    those, in batch order (None otherwise: prompt-logprob rows, repeats)."""
+    counts, i, end = [], 0, 0
+    for n in extend_lens:
+        start, end = end, end + n
+        j = i
+        while j < len(rows) and start <= rows[j] < end:
+            j += 1
+        if rows[i:j] != list(range(end - (j - i), end)):
+            return None
+        counts.append(j - i)
+        i = j
+    return counts if i == len(rows) else None
