@@ -51,7 +51,8 @@ constexpr int pv_rows() { return D <= 64 ? 6 : D <= 96 ? 3 : D <= 128 ? 2 : 1; }
 
 // 2^x for the softmax weights: a degree-3 minimax polynomial of the fraction (relative error
 // < 7.5e-5, far below the bf16 rounding P gets before P @ V) and an exponent scale. Each FMA
-// here takes a slot from the vdpbf16ps on the same pipes. Very negative x (masked keys, the first block's correction) gives 0.
+// here takes a slot from the vdpbf16ps on the same pipes. Very negative x (masked keys, the
+// first block's correction) gives 0.
 inline __m512 exp2_512(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]

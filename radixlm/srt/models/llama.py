@@ -183,8 +183,6 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:  # zero layers
             hidden = self.model.norm.forward(hidden)
             return hidden if rows is None else hidden.index_select(0, rows)
-        if hidden.shape[0] == 0:
-            return hidden
         hidden, _ = self.model.norm.forward(hidden, residual)
         return hidden
 
