@@ -349,14 +349,20 @@ def test_register_deregister_and_a_worker_killed_mid_stream(workers, tiny_llama_
         # register through the gateway's worker API; it is probed, then routed to
         assert httpx.post(gw.url + "/workers", json={"url": victim.base}).status_code == 202
         _wait(lambda: httpx.get(gw.url + "/readiness").json().get("healthy_workers") == 2, 60, "registration")
+        children = victim.info()["runtime"]["child_pids"].values()
         outcomes: list[str] = []
+        seen = [0] * 4  # data events each client has read so far
+
+        def counted(i: int, lines):
+            for line in lines:
+                seen[i] += line.startswith("data:")
+                yield line
 
         def stream(i: int) -> None:
             try:
                 with httpx.stream("POST", gw.url + "/generate", timeout=60,
-                                  json={"text": f"kill {i}", "stream": True,
-                                        "sampling_params": {"max_new_tokens": 700, "ignore_eos": True}}) as r:
-                    events = sse_events(r.iter_lines())
+                                  json={"text": f"kill {i}", "stream": True, "sampling_params": LONG}) as r:
+                    events = sse_events(counted(i, r.iter_lines()))
                 last = events[-2] if len(events) >= 2 and events[-1] == "[DONE]" else {}
                 if "error" in last:
                     outcomes.append("error")  # smg's in-band error after the worker's stream broke
@@ -371,11 +377,13 @@ def test_register_deregister_and_a_worker_killed_mid_stream(workers, tiny_llama_
             t.start()
         v = httpx.Client(base_url=victim.base, timeout=10)
         _wait(lambda: v.get("/get_server_info").json()["num_running_reqs"] == 2, 30, "two streams on the victim")
-        children = victim.info()["runtime"]["child_pids"].values()
+        # every client is mid-stream (its answer committed, far from its end) before the kill, so the two on the
+        # victim can neither finish first nor be retried elsewhere by the gateway
+        _wait(lambda: min(seen) >= 2, 30, "every client to read tokens")
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         for t in threads:
-            t.join(30)
+            t.join(120)  # the survivors decode to their end, slower on a loaded machine
             assert not t.is_alive(), "a client of the killed worker hangs"
         # the killed worker's two clients get an error, the other worker's two finish
         assert sorted(o.split(" ")[0] for o in outcomes) == ["complete", "complete", "error", "error"], outcomes
