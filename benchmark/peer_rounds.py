@@ -116,6 +116,14 @@ class PeerRounds:
         self._tmp.cleanup()
 
 
+def _rate(run: dict) -> float:
+    """Output tokens/s unrounded where the run gives its count and wall (a prefill case makes one
+    token a prompt in ~10 s: its rounded rate would decide the ratio)."""
+    if run.get("output_tokens") and run.get("wall_s"):
+        return run["output_tokens"] / run["wall_s"]
+    return run["output_tok_per_s"]
+
+
 def interleave(ours: Callable[[], dict], peers: dict[str, PeerRounds], rounds: int, pause_s: float) -> dict:
     """`rounds` rounds of radixlm (`ours()`: one run, a dict with output_tok_per_s) and each
     live peer, the order reversed every other round (ABBA: a steady drift favours nobody).
@@ -144,9 +152,10 @@ def interleave(ours: Callable[[], dict], peers: dict[str, PeerRounds], rounds: i
     for name, rs in runs.items():
         rates = [r["output_tok_per_s"] for r in rs]
         out[name] = {"runs_output_tok_per_s": rates, "median_output_tok_per_s": round(statistics.median(rates), 1),
+                     "runs_wall_s": [r.get("wall_s") for r in rs],
                      "runs_idle_engines_cpu_s": [r["idle_engines_cpu_s"] for r in rs], "first_run": rs[0]}
     for name in live:
-        ratios = [a["output_tok_per_s"] / b["output_tok_per_s"] for a, b in zip(runs["radixlm"], runs[name])]
+        ratios = [_rate(a) / _rate(b) for a, b in zip(runs["radixlm"], runs[name])]
         out[f"paired_speedup_vs_{name}"] = [round(x, 3) for x in ratios]
         out[f"speedup_vs_{name}"] = round(statistics.median(ratios), 3)
     return out
