@@ -22,9 +22,11 @@
 // bit the plain GEMM followed by silu_mul (rowwise_avx512.h's store_silu_mul16).
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <algorithm>
 
+#include "bf16_gemm_amx.h"
 #include "gemm_tasks.h"
 #include "rowwise_avx512.h"
 
@@ -43,6 +45,33 @@ constexpr int64_t kRowBlock = 96;  // activation rows kept in L2 while the panel
 inline void store16(float* o, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(o, mask, v); }
 inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// The epilogue of a micro-tile: out rows = acc rows (+ bias), rounded once to TO; kSilu:
+// silu(gate) * up of a silu-gated panel (vectors 0-1 the gate's 32 columns, 2-3 the up's).
+template <int MR, typename TO, bool kSilu>
+inline void finish_rows(const __m512 (&acc)[MR][4], int rows, const uint16_t* bias, TO* out, int64_t os, int ncols) {
+  if constexpr (kSilu) {  // whole panels only
+    __m512 b[4];
+    for (int j = 0; j < 4; ++j)
+      b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16 * j))), 16))
+                  : _mm512_setzero_ps();
+    for (int m = 0; m < rows; ++m)
+      for (int j = 0; j < 2; ++j)
+        radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b[j]),
+                                           _mm512_add_ps(acc[m][j + 2], b[j + 2]));
+    return;
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int left = ncols - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
+                          : _mm512_setzero_ps();  // bf16 bias widened (a 16-bit shift)
+    for (int m = 0; m < rows; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b), mask);
+  }
 }
 
 // out[MR rows][ncols <= 64] = x rows (bf16, xs apart) times one panel (K2 pairs of k).
@@ -82,33 +111,41 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
   }
-  if constexpr (kSilu) {  // vectors 0-1: the gate's 32 columns, 2-3: the up's (whole panels only)
-    __m512 b[4];
-    for (int j = 0; j < 4; ++j)
-      b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16 * j))), 16))
-                  : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < 2; ++j)
-        radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b[j]),
-                                           _mm512_add_ps(acc[m][j + 2], b[j + 2]));
-    return;
-  }
-  for (int j = 0; j < 4; ++j) {
-    const int left = ncols - 16 * j;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
-                          : _mm512_setzero_ps();  // bf16 bias widened (a 16-bit shift)
-    for (int m = 0; m < MR; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b), mask);
-  }
+  finish_rows<MR, TO, kSilu>(acc, MR, bias, out, os, ncols);
 }
+
+#ifdef RADIXLM_BF16_AMX
+// Whether the AMX path serves this process: decided once (RADIXLM_BF16_AMX=0 keeps AVX-512),
+// since the two paths round differently and a process must not mix them.
+bool use_amx() {
+  static const bool on = [] {
+    const char* e = getenv("RADIXLM_BF16_AMX");
+    return !(e && strcmp(e, "0") == 0) && radixlm::amx::permitted();
+  }();
+  return on;
+}
+
+template <typename TO, bool kSilu>
+void bf16_linear_amx(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N,
+                     const uint16_t* bias, TO* out, int64_t os, int nthreads) {
+  radixlm::amx::linear(x, xs, M, K, packed, N, nthreads, [&](int64_t m0, int rows, int p, const float* acc) {
+    __m512 v[radixlm::amx::kRows][4];
+    for (int m = 0; m < rows; ++m)
+      for (int j = 0; j < 4; ++j) v[m][j] = _mm512_load_ps(acc + m * kNR + 16 * j);
+    const int c0 = p * kNR;
+    finish_rows<radixlm::amx::kRows, TO, kSilu>(v, rows, bias ? bias + c0 : nullptr,
+                                                out + m0 * os + (kSilu ? c0 / 2 : c0), os, std::min(kNR, N - c0));
+  });
+}
+#endif
 
 // kSilu: the silu-gated panel layout, out has N / 2 columns.
 template <typename TO, bool kSilu = false>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
                  TO* out, int64_t os, int nthreads) {
+#ifdef RADIXLM_BF16_AMX
+  if (use_amx()) return bf16_linear_amx<TO, kSilu>(x, xs, M, K, packed, N, bias, out, os, nthreads);
+#endif
   const int K2 = K / 2;
   radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p,
                                                                        radixlm::NextPanel next) {
@@ -161,6 +198,15 @@ extern "C" {
 int radixlm_bf16_gemm_available() {
 #ifdef RADIXLM_BF16_GEMM
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 when this process's bf16 GEMMs run on AMX tiles (bf16_gemm_amx.h), else 0.
+int radixlm_bf16_gemm_amx() {
+#ifdef RADIXLM_BF16_AMX
+  return use_amx() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -37,7 +37,7 @@ _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
            _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp",
            _HERE / "table_ops.cpp"]
-HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
+HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "bf16_gemm_amx.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
            _HERE / "rowwise_avx512.h", _HERE / "row_spans.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 # Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose
@@ -74,6 +74,7 @@ _SIGNATURES = {
     "radixlm_gather_dequant_int8": [_INT, _PTR, _PTR, _PTR, _I64, _INT, _INT, _PTR, _INT],
     "radixlm_float_gemm_available": [],
     "radixlm_bf16_gemm_available": [],
+    "radixlm_bf16_gemm_amx": [],
     "radixlm_bf16_linear": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
     "radixlm_bf16_linear_silu": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
     "radixlm_float_linear": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
@@ -97,8 +98,9 @@ def _compiler() -> str | None:
     return None
 
 
-# Extra flags of the narrower builds (load_variant): "avx2" drops every AVX-512 extension.
-VARIANT_FLAGS = {"avx2": ["-mno-avx512f"]}
+# Extra flags of the narrower builds (load_variant): "avx2" drops every AVX-512 extension,
+# "avx512" only AMX (an AMX CPU's bf16 GEMM on AVX512-BF16, as on CPUs without tiles).
+VARIANT_FLAGS = {"avx2": ["-mno-avx512f"], "avx512": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]}
 _variants: dict[str, ctypes.CDLL | None] = {}
 
 

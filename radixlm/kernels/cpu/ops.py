@@ -347,6 +347,13 @@ def bf16_gemm_available() -> bool:
     return lib is not None and lib.radixlm_bf16_gemm_available() == 1
 
 
+def bf16_gemm_amx() -> bool:
+    """Whether this process's bf16 GEMMs run on AMX tiles (bf16_gemm_amx.h; RADIXLM_BF16_AMX=0
+    keeps them on AVX512-BF16)."""
+    lib = load()
+    return lib is not None and lib.radixlm_bf16_gemm_amx() == 1
+
+
 def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
                 out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor | None:
     """x [M, K] bfloat16 (rows contiguous, K even) times a weight packed by bf16_gemm.pack_weight
