@@ -38,7 +38,9 @@ def mkldnn_pack_enabled() -> bool:
 
 
 def bf16_gemm_enabled() -> bool:
-    """RADIXLM_BF16_GEMM=0: bf16 linears through oneDNN instead of the native AVX512-BF16 GEMM."""
+    """RADIXLM_BF16_GEMM=0: bf16 linears through oneDNN instead of the native bf16 GEMM. (That
+    GEMM runs on AMX tiles where the CPU has them; RADIXLM_BF16_AMX=0, read by the native
+    library itself at its first GEMM, keeps it on AVX512-BF16.)"""
     return _on("RADIXLM_BF16_GEMM")
 
 

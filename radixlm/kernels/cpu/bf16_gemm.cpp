@@ -22,7 +22,6 @@
 // bit the plain GEMM followed by silu_mul (rowwise_avx512.h's store_silu_mul16).
 
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <algorithm>
 
@@ -115,16 +114,6 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
 }
 
 #ifdef RADIXLM_BF16_AMX
-// Whether the AMX path serves this process: decided once (RADIXLM_BF16_AMX=0 keeps AVX-512),
-// since the two paths round differently and a process must not mix them.
-bool use_amx() {
-  static const bool on = [] {
-    const char* e = getenv("RADIXLM_BF16_AMX");
-    return !(e && strcmp(e, "0") == 0) && radixlm::amx::permitted();
-  }();
-  return on;
-}
-
 template <typename TO, bool kSilu>
 void bf16_linear_amx(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N,
                      const uint16_t* bias, TO* out, int64_t os, int nthreads) {
@@ -144,7 +133,7 @@ template <typename TO, bool kSilu = false>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
                  TO* out, int64_t os, int nthreads) {
 #ifdef RADIXLM_BF16_AMX
-  if (use_amx()) return bf16_linear_amx<TO, kSilu>(x, xs, M, K, packed, N, bias, out, os, nthreads);
+  if (radixlm::amx::enabled()) return bf16_linear_amx<TO, kSilu>(x, xs, M, K, packed, N, bias, out, os, nthreads);
 #endif
   const int K2 = K / 2;
   radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p,
@@ -206,7 +195,7 @@ int radixlm_bf16_gemm_available() {
 // 1 when this process's bf16 GEMMs run on AMX tiles (bf16_gemm_amx.h), else 0.
 int radixlm_bf16_gemm_amx() {
 #ifdef RADIXLM_BF16_AMX
-  return use_amx() ? 1 : 0;
+  return radixlm::amx::enabled() ? 1 : 0;
 #else
   return 0;
 #endif

@@ -18,17 +18,15 @@
 // rows too, so an extend of K tokens still reproduces K decode steps bit for bit; the AVX-512
 // path's numbers differ from it in the summation order, so one process uses one of them.
 //
-// Linux grants the tile state only to a process that asks for it (arch_prctl); where the
-// request fails the AVX-512 kernel serves.
+// Where the process may not use the tiles (amx.h) the AVX-512 kernel serves.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define RADIXLM_BF16_AMX 1
+#include "amx.h"
+
+#ifdef RADIXLM_BF16_AMX
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
@@ -41,34 +39,7 @@ namespace amx {
 constexpr int kPanel = 64;       // columns per packed panel (bf16_gemm.cpp kNR)
 constexpr int kRows = 32;        // rows per micro-tile: two A tiles
 constexpr int kStep = 32;        // k per tile step (16 pairs)
-constexpr int64_t kRowBlock = 256;
-constexpr int kFetchAhead = 4;  // rows whose A stays in L2 while the panels stream
-
-// Whether this process may use the tiles; asked once.
-inline bool permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 k pairs x 16 columns).
-inline void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  _tile_loadconfig(&c);
-}
+constexpr int64_t kRowBlock = 256;  // rows whose A stays in L2 while the panels stream
 
 // acc[16 or 32][64] float32 = A rows (bf16, a_bytes apart; RT tiles of 16) times one panel over
 // `steps` k steps; the last step's B from btail when given (zero-padded k). One A tile: the
@@ -85,8 +56,6 @@ inline void panel_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint
     _tile_zero(3);
     for (int s = 0; s < steps; ++s) {
       const uint16_t* b = btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow;
-      const char* ahead = (const char*)(b + kFetchAhead * 16 * kPairRow);
-      for (int l = 0; l < 64; l += 1) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
       _tile_loadd(4, a + s * kStep, a_bytes);
       _tile_loadd(5, b, kPairRow * 2);
       _tile_loadd(6, b + 32, kPairRow * 2);

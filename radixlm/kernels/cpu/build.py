@@ -37,7 +37,7 @@ _HERE = Path(__file__).parent
 SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.cpp", _HERE / "kv_int8_ops.cpp",
            _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp",
            _HERE / "table_ops.cpp"]
-HEADERS = [_HERE / "avx2.h", _HERE / "bf16.h", _HERE / "bf16_gemm_amx.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
+HEADERS = [_HERE / "amx.h", _HERE / "avx2.h", _HERE / "bf16.h", _HERE / "bf16_gemm_amx.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
            _HERE / "rowwise_avx512.h", _HERE / "row_spans.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 # Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose

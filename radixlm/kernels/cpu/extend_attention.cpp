@@ -27,6 +27,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "amx.h"
 #include "decode_tasks.h"
 
 namespace {
@@ -160,12 +161,14 @@ inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const 
     for (int c16 = 0; c16 < NC; ++c16) _mm512_store_ps(acc[r] + 16 * c16, o[r][c16]);
 }
 
-struct Rows {  // one register tile of query rows
-  const uint16_t* q[kRows];
-  uint16_t* out[kRows];
-  int64_t kend[kRows];  // keys [0, kend) are visible to the row
-  int n;                // real rows (the rest repeat the last one and are not stored)
+template <int R>
+struct RowsOf {  // one tile of query rows
+  const uint16_t* q[R];
+  uint16_t* out[R];
+  int64_t kend[R];  // keys [0, kend) are visible to the row
+  int n;            // real rows (the rest repeat the last one and are not stored)
 };
+using Rows = RowsOf<kRows>;
 
 // Attention of one tile of rows over the packed keys of their request and KV head.
 template <int D>
@@ -256,6 +259,147 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   }
 }
 
+#ifdef RADIXLM_BF16_AMX
+// The same attention on AMX tiles, for D 32 and 64: 16 query rows per tile; per 32-key block
+// S = Q K^T is D / 16 tile products into two C tiles (tiles 4-5), stored for the AVX-512 online
+// softmax above (the same masks, lazy rescaling and exponential), and P @ V adds D / 16 tile
+// products into O, which stays in C tiles 0 .. D/16 - 1 across the blocks: it leaves them only
+// when a row's maximum moves (rescaled in memory) and at the end. Tile 6 holds A (Q, then P),
+// tile 7 B (K, then V). The packed K tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's
+// B layout as they are, 64 and 4 D bytes a row apart.
+constexpr int kAmxRows = 16;
+using AmxRows = RowsOf<kAmxRows>;
+
+template <int D>
+constexpr bool amx_attends() { return D == 32 || D == 64; }
+
+// O tiles <-> rows of float32 (D floats a row); tile numbers are immediates.
+template <int D>
+inline void o_tiles(float (*o)[D], bool store) {
+#define RADIXLM_O_TILE(T)                                                  \
+  if (store)                                                               \
+    _tile_stored(T, o[0] + 16 * T, D * 4);                                 \
+  else                                                                     \
+    _tile_loadd(T, o[0] + 16 * T, D * 4);
+  RADIXLM_O_TILE(0)
+  RADIXLM_O_TILE(1)
+  if constexpr (D == 64) {
+    RADIXLM_O_TILE(2)
+    RADIXLM_O_TILE(3)
+  }
+#undef RADIXLM_O_TILE
+}
+
+template <int D>
+void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp, float scale) {
+  constexpr int DP = D / 2, R = kAmxRows;
+  alignas(64) uint16_t qb[R][D];
+  alignas(64) float sb[R][kKeys];
+  alignas(64) uint16_t pb[R][kKeys];
+  alignas(64) float ob[R][D];
+  alignas(64) float m[16], bm[16], corr[16];
+  __m512 l[R];
+  for (int r = 0; r < R; ++r) {
+    memcpy(qb[r], rows.q[r], D * sizeof(uint16_t));
+    m[r] = kNoMax;
+    l[r] = _mm512_setzero_ps();
+  }
+  int64_t kmin = rows.kend[0], kmax = rows.kend[0];
+  for (int r = 1; r < R; ++r) {
+    kmin = std::min(kmin, rows.kend[r]);
+    kmax = std::max(kmax, rows.kend[r]);
+  }
+  const float c = scale * 1.44269504088896341f;  // log2(e)
+  const __m512 vc = _mm512_set1_ps(c);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (D == 64) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
+    const uint32_t* kt = kp + k0 * D / 2;
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int d0 = 0; d0 < D; d0 += 32) {  // 16 pairs of D a step
+      _tile_loadd(6, qb[0] + d0, D * 2);
+      _tile_loadd(7, kt + d0 / 2 * 16, 64);
+      _tile_dpbf16ps(4, 6, 7);
+      _tile_loadd(7, kt + (DP + d0 / 2) * 16, 64);
+      _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(4, sb[0], kKeys * 4);
+    _tile_stored(5, sb[0] + 16, kKeys * 4);
+    const bool masked = k0 + kKeys > kmin;
+    __mmask16 mk[R][kTiles];
+    __m512 sv[R][kTiles];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < kTiles; ++t) sv[r][t] = _mm512_load_ps(sb[r] + 16 * t);
+      if (masked) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
+        for (int t = 0; t < kTiles; ++t) {
+          const int64_t nt = n - 16 * t;
+          mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+          sv[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], sv[r][t]);
+        }
+      }
+      __m512 mx = sv[r][0];
+      for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, sv[r][t]);
+      bm[r] = _mm512_reduce_max_ps(mx);
+    }
+    // Lazy rescaling, as attend_rows: the running maximum moves only past a margin of 2^8.
+    const __m512 mold = _mm512_load_ps(m);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
+                                            _mm512_set1_ps(8.f), _CMP_GT_OQ);
+    if (up) {
+      const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
+      _mm512_store_ps(m, mnew);
+      _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
+      if (k0 > 0) {  // O holds earlier blocks: each moved row times its correction (the rest x 1)
+        o_tiles<D>(ob, true);
+        for (int r = 0; r < R; ++r)
+          if (up >> r & 1)
+            for (int d = 0; d < D; d += 16)
+              _mm512_store_ps(ob[r] + d, _mm512_mul_ps(_mm512_load_ps(ob[r] + d), _mm512_set1_ps(corr[r])));
+        o_tiles<D>(ob, false);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 mc = _mm512_set1_ps(m[r] * c);
+      __m512 p[kTiles];
+      for (int t = 0; t < kTiles; ++t) {
+        p[t] = exp2_512(_mm512_fmsub_ps(sv[r][t], vc, mc));
+        if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
+      }
+      __m512 sum = p[0];
+      for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
+      l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
+      for (int t = 0; t < kTiles; t += 2)
+        _mm512_store_si512(pb[r] + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
+    }
+    const uint32_t* vt = vp + k0 * D / 2;  // kKeys / 2 pairs of D words
+    _tile_loadd(6, pb[0], kKeys * 2);
+    _tile_loadd(7, vt, D * 4);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(7, vt + 16, D * 4);
+    _tile_dpbf16ps(1, 6, 7);
+    if constexpr (D == 64) {
+      _tile_loadd(7, vt + 32, D * 4);
+      _tile_dpbf16ps(2, 6, 7);
+      _tile_loadd(7, vt + 48, D * 4);
+      _tile_dpbf16ps(3, 6, 7);
+    }
+  }
+  o_tiles<D>(ob, true);
+  for (int r = 0; r < rows.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
+    for (int d = 0; d < D; d += 16)
+      _mm256_storeu_si256((__m256i*)(rows.out[r] + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ob[r] + d), inv)));
+  }
+}
+#endif  // RADIXLM_BF16_AMX
+
 // 64-byte aligned scratch kept by the calling thread between calls (the scheduler calls once
 // per layer with similar sizes: no page faults after the first).
 uint32_t* workspace(int64_t words) {
@@ -307,24 +451,52 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
       pack_block<D>(pool, t.h, kv_indices + off, len, t.t0, kpack(t.b, t.h) + t.t0 * D / 2,
                     vpack(t.b, t.h) + t.t0 * D / 2);
     }
+    // Rows (token, group head) of task t, token-major, from r0 on: R of them, the tail
+    // repeating the last real one.
+    auto fill = [&](const Task& t, int64_t r0, int64_t nrows, auto& rows) {
+      constexpr int R = (int)(sizeof(rows.kend) / sizeof(rows.kend[0]));
+      const int64_t len = kv_indptr[t.b + 1] - kv_indptr[t.b], ext = q_indptr[t.b + 1] - q_indptr[t.b];
+      rows.n = (int)std::min<int64_t>(R, nrows - r0);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + std::min(r, rows.n - 1);
+        const int64_t tok = t.t0 + row / G, head = (int64_t)t.h * G + row % G;
+        rows.q[r] = q + (q_indptr[t.b] + tok) * q_stride + head * D;
+        rows.out[r] = out + (q_indptr[t.b] + tok) * out_stride + head * D;
+        rows.kend[r] = len - ext + tok + 1;
+      }
+    };
+#ifdef RADIXLM_BF16_AMX
+    const bool tiles = amx_attends<D>() && radixlm::amx::enabled();
+    if (tiles) radixlm::amx::configure();
+#else
+    constexpr bool tiles = false;
+    (void)tiles;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < nwork; ++i) {
       const Task& t = work[i];
-      const int64_t len = kv_indptr[t.b + 1] - kv_indptr[t.b], ext = q_indptr[t.b + 1] - q_indptr[t.b];
-      const int64_t prefix = len - ext, nrows = (t.t1 - t.t0) * G;
+      const int64_t nrows = (t.t1 - t.t0) * G;
+#ifdef RADIXLM_BF16_AMX
+      if constexpr (amx_attends<D>()) {
+        if (tiles) {
+          for (int64_t r0 = 0; r0 < nrows; r0 += kAmxRows) {
+            AmxRows rows;
+            fill(t, r0, nrows, rows);
+            attend_rows_amx<D>(rows, kpack(t.b, t.h), vpack(t.b, t.h), scale);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t r0 = 0; r0 < nrows; r0 += kRows) {
         Rows rows;
-        rows.n = (int)std::min<int64_t>(kRows, nrows - r0);
-        for (int r = 0; r < kRows; ++r) {
-          const int64_t row = r0 + std::min(r, rows.n - 1);  // token-major: (token, group head)
-          const int64_t tok = t.t0 + row / G, head = (int64_t)t.h * G + row % G;
-          rows.q[r] = q + (q_indptr[t.b] + tok) * q_stride + head * D;
-          rows.out[r] = out + (q_indptr[t.b] + tok) * out_stride + head * D;
-          rows.kend[r] = prefix + tok + 1;
-        }
+        fill(t, r0, nrows, rows);
         attend_rows<D>(rows, kpack(t.b, t.h), vpack(t.b, t.h), scale);
       }
     }
+#ifdef RADIXLM_BF16_AMX
+    if (tiles) _tile_release();
+#endif
   }
 }
 

@@ -4,13 +4,31 @@ speculative verification needs (a row's bits do not depend on the rows beside it
 where the build has no AVX512-BF16 (the AVX2 build on every machine; AVX2-only CPUs)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.cpu import ops
+from radixlm.kernels.cpu import build, ops
+from radixlm.kernels.cpu.cpuinfo import cpu_flags
 from radixlm.srt.layers import bf16_gemm
 from radixlm.srt.layers.linear import Linear
+
+
+@pytest.fixture(params=[*build.variants(), *(["avx512"] if {"amx_bf16", "amx_tile"} <= cpu_flags() else [])])
+def kernel_isa(request, monkeypatch) -> str:
+    """The builds of conftest's kernel_isa, and on an AMX CPU also the one without AMX, so that
+    both bf16 GEMM paths (tiles and AVX512-BF16) are checked there."""
+    if request.param != "native":
+        lib = build.load_variant(request.param)
+        if lib is None:
+            pytest.skip(f"the {request.param} build of the native kernels is unavailable")
+        monkeypatch.setattr(build, "_lib", lib)
+        monkeypatch.setattr(build, "_tried", True)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -36,16 +54,34 @@ def test_bf16_linear_matches_torch(out_dtype, m, k, n, with_bias):
     torch.testing.assert_close(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=rtol)
 
 
-def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it():
+@pytest.mark.parametrize("m,k,n", [(13, 96, 136), (70, 70, 200)])
+def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(m, k, n):
+    """(70, 70): on AMX, rows in whole 16-row tiles read in place and rows of a partial tile
+    copied with zeros, k not a multiple of the 32-k tile step."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(136, 96, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
     packed = bf16_gemm.pack_weight(w)
-    x = torch.randn(13, 96, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
     full = bf16_gemm.linear(x, packed, None)
-    for start in range(13):
-        for rows in range(1, 14 - start):
-            assert torch.equal(bf16_gemm.linear(x[start:start + rows].clone(), packed, None),
-                               full[start:start + rows])
+    spans = [(s, r) for s in range(m) for r in range(1, m + 1 - s)]
+    for start, rows in spans if m <= 16 else spans[::37]:
+        assert torch.equal(bf16_gemm.linear(x[start:start + rows].clone(), packed, None),
+                           full[start:start + rows])
+    assert torch.equal(bf16_gemm.linear(x[1:], packed, None), full[1:])  # whole tiles read in place
+
+
+def test_amx_serves_where_the_cpu_has_it_unless_turned_off(kernel_isa: str):
+    """One path per process: the native build takes the tiles on an AMX CPU; RADIXLM_BF16_AMX=0
+    (read once, at the first GEMM) keeps AVX512-BF16; the avx512 build never has them."""
+    if kernel_isa != "native":
+        assert not ops.bf16_gemm_amx()
+        return
+    has_amx = {"amx_bf16", "amx_tile"} <= cpu_flags()
+    probe = "from radixlm.kernels.cpu import ops; print(ops.bf16_gemm_amx())"
+    for env, want in (({}, has_amx), ({"RADIXLM_BF16_AMX": "0"}, False)):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=120, check=True).stdout.strip()
+        assert out == str(want)
 
 
 def test_refused_inputs_and_strided_rows():
