@@ -41,73 +41,81 @@ constexpr int kRows = 32;        // rows per micro-tile: two A tiles
 constexpr int kStep = 32;        // k per tile step (16 pairs)
 constexpr int64_t kRowBlock = 256;  // rows whose A stays in L2 while the panels stream
 
-// acc[16 or 32][64] float32 = A rows (bf16, a_bytes apart; RT tiles of 16) times one panel over
-// `steps` k steps; the last step's B from btail when given (zero-padded k). One A tile: the
-// panel's four C tiles in one pass, so four accumulation chains overlap and each B row of the
-// panel is read once. Two A tiles: two passes of 32 columns (a 2 x 2 block of C tiles).
-template <int RT>
+constexpr int kPairRow = 2 * kPanel;  // bf16 per packed k pair (256 bytes)
+
+// acc[16][64] float32 = 16 A rows (bf16, a_bytes apart) times one panel over `steps` k steps,
+// the last step's B from btail when given (zero-padded k): the panel's four C tiles in one
+// pass, so four accumulation chains overlap and each B row is read once (a decode batch).
 inline void panel_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint16_t* panel,
                        const uint16_t* btail, float* acc) {
-  constexpr int kPairRow = 2 * kPanel;  // bf16 per packed k pair (256 bytes)
-  if constexpr (RT == 1) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int s = 0; s < steps; ++s) {
-      const uint16_t* b = btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow;
-      _tile_loadd(4, a + s * kStep, a_bytes);
-      _tile_loadd(5, b, kPairRow * 2);
-      _tile_loadd(6, b + 32, kPairRow * 2);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(7, b + 64, kPairRow * 2);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, b + 96, kPairRow * 2);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    for (int j = 0; j < 4; ++j) {
-      switch (j) {  // tile numbers are immediates
-        case 0: _tile_stored(0, acc, kPanel * 4); break;
-        case 1: _tile_stored(1, acc + 16, kPanel * 4); break;
-        case 2: _tile_stored(2, acc + 32, kPanel * 4); break;
-        default: _tile_stored(3, acc + 48, kPanel * 4); break;
-      }
-    }
-    return;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int s = 0; s < steps; ++s) {
+    const uint16_t* b = btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow;
+    _tile_loadd(4, a + s * kStep, a_bytes);
+    _tile_loadd(5, b, kPairRow * 2);
+    _tile_loadd(6, b + 32, kPairRow * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, b + 64, kPairRow * 2);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, b + 96, kPairRow * 2);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
   }
+  _tile_stored(0, acc, kPanel * 4);
+  _tile_stored(1, acc + 16, kPanel * 4);
+  _tile_stored(2, acc + 32, kPanel * 4);
+  _tile_stored(3, acc + 48, kPanel * 4);
+}
+
+// Columns [32 h, 32 h + 32) of acc[16 RT][64] for RT A tiles of 16 rows: a 2 x 2 (RT 2) or
+// 1 x 2 block of C tiles, the two B tiles of each k step shared by the A tiles.
+template <int RT>
+inline void half_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint16_t* panel,
+                      const uint16_t* btail, int h, float* acc) {
   const uint16_t* a1 = a + 16 * (a_bytes / 2);
-  for (int h = 0; h < 2; ++h) {
-    _tile_zero(0);
-    _tile_zero(1);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RT == 2) {
     _tile_zero(2);
     _tile_zero(3);
-    for (int s = 0; s < steps; ++s) {
-      const uint16_t* b = (btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow) + h * 64;
-      _tile_loadd(6, b, kPairRow * 2);
-      _tile_loadd(4, a + s * kStep, a_bytes);
-      _tile_loadd(7, b + 32, kPairRow * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, a1 + s * kStep, a_bytes);
-      _tile_dpbf16ps(1, 4, 7);
+  }
+  for (int s = 0; s < steps; ++s) {
+    const uint16_t* b = (btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow) + h * 64;
+    _tile_loadd(6, b, kPairRow * 2);
+    _tile_loadd(4, a + s * kStep, a_bytes);
+    _tile_loadd(7, b + 32, kPairRow * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (RT == 2) _tile_loadd(5, a1 + s * kStep, a_bytes);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, acc + 32 * h, kPanel * 4);
-    _tile_stored(1, acc + 32 * h + 16, kPanel * 4);
+  }
+  _tile_stored(0, acc + 32 * h, kPanel * 4);
+  _tile_stored(1, acc + 32 * h + 16, kPanel * 4);
+  if constexpr (RT == 2) {
     _tile_stored(2, acc + 16 * kPanel + 32 * h, kPanel * 4);
     _tile_stored(3, acc + 16 * kPanel + 32 * h + 16, kPanel * 4);
   }
 }
 
 // Per-thread copies: A rows zero-padded to whole tiles and k steps, the last k step of a panel
-// zero-padded, and the float32 block the epilogue reads.
+// zero-padded, and the float32 block of a row block the epilogue reads.
 struct Scratch {
   std::vector<uint16_t> a, btail;
-  alignas(64) float acc[kRows * kPanel];
+  alignas(64) float acc[kRowBlock * kPanel];
 };
 
-// finish(m0, rows, panel, acc): the epilogue of one micro-tile (acc [rows][64]).
+// finish(m0, rows, panel, acc): the epilogue of up to 32 rows (acc [rows][64]).
+//
+// A task is (row block, panel). A block of one micro-tile of at most 16 rows (a decode batch)
+// takes the panel in one pass (panel_tile). Larger blocks take it in two halves of 32 columns,
+// each half over every micro-tile of the block before the next half, so the half panel's B
+// tiles are read from L1 by all but the first micro-tile, not from L2 by each.
 template <typename Finish>
 void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, int nthreads,
             Finish&& finish) {
@@ -126,37 +134,49 @@ void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* pac
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t t0 = tasks * id / nt, t1 = tasks * (id + 1) / nt;
     int64_t copied = -1;  // the m0 whose padded copy sc.a holds (this call)
+    // Micro-tile m0's A rows and their byte stride: in place, or a copy padded with zeros
+    // (a partial tile, ragged k) that never holds another row's values.
+    auto rows_of = [&](int64_t m0, int rows, int64_t& a_bytes) -> const uint16_t* {
+      const int rt = rows > 16 ? 2 : 1;
+      a_bytes = xs * 2;
+      if (!ragged_k && rows % 16 == 0) return x + m0 * xs;
+      a_bytes = kpad * 2;
+      if (copied != m0) {
+        sc.a.assign((size_t)16 * rt * kpad, 0);
+        for (int r = 0; r < rows; ++r) memcpy(sc.a.data() + (int64_t)r * kpad, x + (m0 + r) * xs, (size_t)K * 2);
+        copied = m0;
+      }
+      return sc.a.data();
+    };
     for (int64_t t = t0; t < t1; ++t) {
       const int p = (int)(t % panels);
       const uint16_t* panel = packed + (int64_t)p * K * kPanel;
       const uint16_t* btail = nullptr;
       if (ragged_k) {
-        sc.btail.assign(16 * 2 * kPanel, 0);
+        sc.btail.assign(16 * kPairRow, 0);
         const int s0 = (steps - 1) * 16;
-        memcpy(sc.btail.data(), panel + (int64_t)s0 * 2 * kPanel, (size_t)(K2 - s0) * 2 * kPanel * 2);
+        memcpy(sc.btail.data(), panel + (int64_t)s0 * kPairRow, (size_t)(K2 - s0) * kPairRow * 2);
         btail = sc.btail.data();
       }
       const int64_t r0 = t / panels * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
-      for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
-        const int rows = (int)std::min<int64_t>(kRows, r1 - m0);
-        const int rt = rows > 16 ? 2 : 1;
-        const uint16_t* a = x + m0 * xs;
-        int64_t a_bytes = xs * 2;
-        if (ragged_k || rows % 16 != 0) {  // a copy padded with zeros: never another row's values
-          if (copied != m0) {  // once per micro-tile, not per panel
-            sc.a.assign((size_t)16 * rt * kpad, 0);
-            for (int r = 0; r < rows; ++r) memcpy(sc.a.data() + (int64_t)r * kpad, a + r * xs, (size_t)K * 2);
-            copied = m0;
+      int64_t a_bytes;
+      if (r1 - r0 <= 16) {
+        const uint16_t* a = rows_of(r0, (int)(r1 - r0), a_bytes);  // sets a_bytes first
+        panel_tile(a, a_bytes, steps, panel, btail, sc.acc);
+      } else {
+        for (int h = 0; h < 2; ++h)
+          for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
+            const int rows = (int)std::min<int64_t>(kRows, r1 - m0);
+            const uint16_t* a = rows_of(m0, rows, a_bytes);
+            float* acc = sc.acc + (m0 - r0) * kPanel;
+            if (rows > 16)
+              half_tile<2>(a, a_bytes, steps, panel, btail, h, acc);
+            else
+              half_tile<1>(a, a_bytes, steps, panel, btail, h, acc);
           }
-          a = sc.a.data();
-          a_bytes = kpad * 2;
-        }
-        if (rt == 2)
-          panel_tile<2>(a, a_bytes, steps, panel, btail, sc.acc);
-        else
-          panel_tile<1>(a, a_bytes, steps, panel, btail, sc.acc);
-        finish(m0, rows, p, sc.acc);
       }
+      for (int64_t m0 = r0; m0 < r1; m0 += kRows)
+        finish(m0, (int)std::min<int64_t>(kRows, r1 - m0), p, sc.acc + (m0 - r0) * kPanel);
     }
     _tile_release();
   }
