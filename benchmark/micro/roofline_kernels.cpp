@@ -6,6 +6,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 extern "C" {
 
@@ -135,6 +137,38 @@ double rl_bf16dp512(int64_t iters) {
   return 0;
 }
 int64_t rl_bf16dp512_macs_per_iter() { return 12 * 32; }
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bf16 tile products: four independent TDPBF16PS chains (C tiles 0-3 from A tiles 4-5 and B
+// tiles 6-7), each 16 x 16 x 32 = 8,192 multiply-accumulates.
+struct alignas(64) RlTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+double rl_amx_bf16(int64_t iters) {
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return -1;
+  RlTileConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+  for (int64_t i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_release();
+  return 0;
+}
+int64_t rl_amx_bf16_macs_per_iter() { return 4 * 16 * 16 * 32; }
 #endif
 
 // Sum of a buffer's 64-bit words read with 256-bit loads by nthreads threads (each its own

@@ -262,10 +262,10 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
 #ifdef RADIXLM_BF16_AMX
 // The same attention on AMX tiles, for D 32 and 64: 16 query rows per tile; per 32-key block
 // S = Q K^T is D / 16 tile products into two C tiles (tiles 4-5), stored for the AVX-512 online
-// softmax above (the same masks, lazy rescaling and exponential), and P @ V adds D / 16 tile
-// products into O, which stays in C tiles 0 .. D/16 - 1 across the blocks: it leaves them only
-// when a row's maximum moves (rescaled in memory) and at the end. Tile 6 holds A (Q, then P),
-// tile 7 B (K, then V). The packed K tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's
+// softmax above (the same masks, lazy rescaling and exponential) while the tiles go on to the
+// next block's S, and P @ V adds D / 16 tile products into O, which stays in C tiles
+// 0 .. D/16 - 1 across the blocks: it leaves them only when a row's maximum moves (rescaled in
+// memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's
 // B layout as they are, 64 and 4 D bytes a row apart.
 constexpr int kAmxRows = 16;
 using AmxRows = RowsOf<kAmxRows>;
@@ -317,7 +317,7 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
+  auto scores = [&](int64_t k0) {  // S of the block from k0 into tiles 4-5
     const uint32_t* kt = kp + k0 * D / 2;
     _tile_zero(4);
     _tile_zero(5);
@@ -328,8 +328,13 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
       _tile_loadd(7, kt + (DP + d0 / 2) * 16, 64);
       _tile_dpbf16ps(5, 6, 7);
     }
+  };
+  scores(0);
+  for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
     _tile_stored(4, sb[0], kKeys * 4);
     _tile_stored(5, sb[0] + 16, kKeys * 4);
+    // The next block's scores run on the tiles while this block's softmax runs on the vectors.
+    if (k0 + kKeys < kmax) scores(k0 + kKeys);
     const bool masked = k0 + kKeys > kmin;
     __mmask16 mk[R][kTiles];
     __m512 sv[R][kTiles];
