@@ -48,8 +48,9 @@ inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
 
 // The epilogue of a micro-tile: out rows = acc rows (+ bias), rounded once to TO; kSilu:
 // silu(gate) * up of a silu-gated panel (vectors 0-1 the gate's 32 columns, 2-3 the up's).
-template <int MR, typename TO, bool kSilu>
-inline void finish_rows(const __m512 (&acc)[MR][4], int rows, const uint16_t* bias, TO* out, int64_t os, int ncols) {
+// acc(m, j): row m's accumulators of columns 16 j .. 16 j + 15.
+template <typename TO, bool kSilu, typename Acc>
+inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int64_t os, int ncols) {
   if constexpr (kSilu) {  // whole panels only
     __m512 b[4];
     for (int j = 0; j < 4; ++j)
@@ -58,8 +59,8 @@ inline void finish_rows(const __m512 (&acc)[MR][4], int rows, const uint16_t* bi
                   : _mm512_setzero_ps();
     for (int m = 0; m < rows; ++m)
       for (int j = 0; j < 2; ++j)
-        radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b[j]),
-                                           _mm512_add_ps(acc[m][j + 2], b[j + 2]));
+        radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc(m, j), b[j]),
+                                           _mm512_add_ps(acc(m, j + 2), b[j + 2]));
     return;
   }
   for (int j = 0; j < 4; ++j) {
@@ -69,7 +70,7 @@ inline void finish_rows(const __m512 (&acc)[MR][4], int rows, const uint16_t* bi
     const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
                           : _mm512_setzero_ps();  // bf16 bias widened (a 16-bit shift)
-    for (int m = 0; m < rows; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc[m][j], b), mask);
+    for (int m = 0; m < rows; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc(m, j), b), mask);
   }
 }
 
@@ -110,7 +111,7 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
   }
-  finish_rows<MR, TO, kSilu>(acc, MR, bias, out, os, ncols);
+  finish_rows<TO, kSilu>([&](int m, int j) { return acc[m][j]; }, MR, bias, out, os, ncols);
 }
 
 #ifdef RADIXLM_BF16_AMX
@@ -118,12 +119,10 @@ template <typename TO, bool kSilu>
 void bf16_linear_amx(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N,
                      const uint16_t* bias, TO* out, int64_t os, int nthreads) {
   radixlm::amx::linear(x, xs, M, K, packed, N, nthreads, [&](int64_t m0, int rows, int p, const float* acc) {
-    __m512 v[radixlm::amx::kRows][4];
-    for (int m = 0; m < rows; ++m)
-      for (int j = 0; j < 4; ++j) v[m][j] = _mm512_load_ps(acc + m * kNR + 16 * j);
     const int c0 = p * kNR;
-    finish_rows<radixlm::amx::kRows, TO, kSilu>(v, rows, bias ? bias + c0 : nullptr,
-                                                out + m0 * os + (kSilu ? c0 / 2 : c0), os, std::min(kNR, N - c0));
+    finish_rows<TO, kSilu>([&](int m, int j) { return _mm512_load_ps(acc + m * kNR + 16 * j); }, rows,
+                           bias ? bias + c0 : nullptr, out + m0 * os + (kSilu ? c0 / 2 : c0), os,
+                           std::min(kNR, N - c0));
   });
 }
 #endif

@@ -40,6 +40,12 @@ constexpr int kPanel = 64;       // columns per packed panel (bf16_gemm.cpp kNR)
 constexpr int kRows = 32;        // rows per micro-tile: two A tiles
 constexpr int kStep = 32;        // k per tile step (16 pairs)
 constexpr int64_t kRowBlock = 256;  // rows whose A stays in L2 while the panels stream
+// k steps per chunk: a chunk of the panel (both halves, 24 KB) and of a micro-tile's A
+// (12 KB) stay in L1 while the chunk runs over the row block's micro-tiles.
+#ifndef RADIXLM_AMX_CHUNK
+#define RADIXLM_AMX_CHUNK 6
+#endif
+constexpr int kChunkSteps = RADIXLM_AMX_CHUNK;
 
 constexpr int kPairRow = 2 * kPanel;  // bf16 per packed k pair (256 bytes)
 
@@ -70,19 +76,32 @@ inline void panel_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint
   _tile_stored(3, acc + 48, kPanel * 4);
 }
 
-// Columns [32 h, 32 h + 32) of acc[16 RT][64] for RT A tiles of 16 rows: a 2 x 2 (RT 2) or
-// 1 x 2 block of C tiles, the two B tiles of each k step shared by the A tiles.
+// Columns [32 h, 32 h + 32) of acc[16 RT][64] for RT A tiles of 16 rows, k steps [s0, s1): a
+// 2 x 2 (RT 2) or 1 x 2 block of C tiles, the two B tiles of each k step shared by the A tiles.
+// From s0 > 0 the C tiles resume from acc (float32 stored and loaded exactly, so the sum is
+// the same as in one pass).
 template <int RT>
-inline void half_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint16_t* panel,
+inline void half_tile(const uint16_t* a, int64_t a_bytes, int s0, int s1, int steps, const uint16_t* panel,
                       const uint16_t* btail, int h, float* acc) {
   const uint16_t* a1 = a + 16 * (a_bytes / 2);
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (RT == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
+  float* c0 = acc + 32 * h;
+  float* c1 = acc + 16 * kPanel + 32 * h;
+  if (s0 == 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (RT == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, c0, kPanel * 4);
+    _tile_loadd(1, c0 + 16, kPanel * 4);
+    if constexpr (RT == 2) {
+      _tile_loadd(2, c1, kPanel * 4);
+      _tile_loadd(3, c1 + 16, kPanel * 4);
+    }
   }
-  for (int s = 0; s < steps; ++s) {
+  for (int s = s0; s < s1; ++s) {
     const uint16_t* b = (btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow) + h * 64;
     _tile_loadd(6, b, kPairRow * 2);
     _tile_loadd(4, a + s * kStep, a_bytes);
@@ -95,11 +114,11 @@ inline void half_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint1
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc + 32 * h, kPanel * 4);
-  _tile_stored(1, acc + 32 * h + 16, kPanel * 4);
+  _tile_stored(0, c0, kPanel * 4);
+  _tile_stored(1, c0 + 16, kPanel * 4);
   if constexpr (RT == 2) {
-    _tile_stored(2, acc + 16 * kPanel + 32 * h, kPanel * 4);
-    _tile_stored(3, acc + 16 * kPanel + 32 * h + 16, kPanel * 4);
+    _tile_stored(2, c1, kPanel * 4);
+    _tile_stored(3, c1 + 16, kPanel * 4);
   }
 }
 
@@ -164,16 +183,20 @@ void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* pac
         const uint16_t* a = rows_of(r0, (int)(r1 - r0), a_bytes);  // sets a_bytes first
         panel_tile(a, a_bytes, steps, panel, btail, sc.acc);
       } else {
-        for (int h = 0; h < 2; ++h)
+        for (int s0 = 0; s0 < steps; s0 += kChunkSteps) {
+          const int s1 = std::min(steps, s0 + kChunkSteps);
           for (int64_t m0 = r0; m0 < r1; m0 += kRows) {
             const int rows = (int)std::min<int64_t>(kRows, r1 - m0);
             const uint16_t* a = rows_of(m0, rows, a_bytes);
             float* acc = sc.acc + (m0 - r0) * kPanel;
-            if (rows > 16)
-              half_tile<2>(a, a_bytes, steps, panel, btail, h, acc);
-            else
-              half_tile<1>(a, a_bytes, steps, panel, btail, h, acc);
+            for (int h = 0; h < 2; ++h) {
+              if (rows > 16)
+                half_tile<2>(a, a_bytes, s0, s1, steps, panel, btail, h, acc);
+              else
+                half_tile<1>(a, a_bytes, s0, s1, steps, panel, btail, h, acc);
+            }
           }
+        }
       }
       for (int64_t m0 = r0; m0 < r1; m0 += kRows)
         finish(m0, (int)std::min<int64_t>(kRows, r1 - m0), p, sc.acc + (m0 - r0) * kPanel);
