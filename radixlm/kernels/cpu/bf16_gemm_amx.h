@@ -40,10 +40,11 @@ constexpr int kPanel = 64;       // columns per packed panel (bf16_gemm.cpp kNR)
 constexpr int kRows = 32;        // rows per micro-tile: two A tiles
 constexpr int kStep = 32;        // k per tile step (16 pairs)
 constexpr int64_t kRowBlock = 256;  // rows whose A stays in L2 while the panels stream
-// k steps per chunk: a chunk of the panel (both halves, 24 KB) and of a micro-tile's A
-// (12 KB) stay in L1 while the chunk runs over the row block's micro-tiles.
+// k steps per chunk: a chunk of the panel and of a micro-tile's A are reused from L1/L2 while
+// the chunk runs over the row block's micro-tiles. (1,024 rows, SmolLM2's linears: 9 steps
+// 3-10% faster than 3, 6 or the whole K at once; C resumes from float32 between chunks.)
 #ifndef RADIXLM_AMX_CHUNK
-#define RADIXLM_AMX_CHUNK 6
+#define RADIXLM_AMX_CHUNK 9
 #endif
 constexpr int kChunkSteps = RADIXLM_AMX_CHUNK;
 
@@ -80,9 +81,24 @@ inline void panel_tile(const uint16_t* a, int64_t a_bytes, int steps, const uint
 // 2 x 2 (RT 2) or 1 x 2 block of C tiles, the two B tiles of each k step shared by the A tiles.
 // From s0 > 0 the C tiles resume from acc (float32 stored and loaded exactly, so the sum is
 // the same as in one pass).
+// Fetch: a cursor over the panel this thread multiplies next, 4 lines a k step into L2.
+struct Fetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  inline void step() {
+    if (p < end) {
+      _mm_prefetch(p, _MM_HINT_T1);
+      _mm_prefetch(p + 64, _MM_HINT_T1);
+      _mm_prefetch(p + 128, _MM_HINT_T1);
+      _mm_prefetch(p + 192, _MM_HINT_T1);
+      p += 256;
+    }
+  }
+};
+
 template <int RT>
 inline void half_tile(const uint16_t* a, int64_t a_bytes, int s0, int s1, int steps, const uint16_t* panel,
-                      const uint16_t* btail, int h, float* acc) {
+                      const uint16_t* btail, int h, float* acc, Fetch& fetch) {
   const uint16_t* a1 = a + 16 * (a_bytes / 2);
   float* c0 = acc + 32 * h;
   float* c1 = acc + 16 * kPanel + 32 * h;
@@ -102,6 +118,7 @@ inline void half_tile(const uint16_t* a, int64_t a_bytes, int s0, int s1, int st
     }
   }
   for (int s = s0; s < s1; ++s) {
+    fetch.step();
     const uint16_t* b = (btail && s == steps - 1 ? btail : panel + (int64_t)s * 16 * kPairRow) + h * 64;
     _tile_loadd(6, b, kPairRow * 2);
     _tile_loadd(4, a + s * kStep, a_bytes);
@@ -179,6 +196,11 @@ void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* pac
       }
       const int64_t r0 = t / panels * kRowBlock, r1 = std::min(M, r0 + kRowBlock);
       int64_t a_bytes;
+      Fetch fetch;
+      if (t + 1 < t1) {
+        fetch.p = (const char*)(packed + (int64_t)((t + 1) % panels) * K * kPanel);
+        fetch.end = fetch.p + (int64_t)K * kPanel * 2;
+      }
       if (r1 - r0 <= 16) {
         const uint16_t* a = rows_of(r0, (int)(r1 - r0), a_bytes);  // sets a_bytes first
         panel_tile(a, a_bytes, steps, panel, btail, sc.acc);
@@ -191,9 +213,9 @@ void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* pac
             float* acc = sc.acc + (m0 - r0) * kPanel;
             for (int h = 0; h < 2; ++h) {
               if (rows > 16)
-                half_tile<2>(a, a_bytes, s0, s1, steps, panel, btail, h, acc);
+                half_tile<2>(a, a_bytes, s0, s1, steps, panel, btail, h, acc, fetch);
               else
-                half_tile<1>(a, a_bytes, s0, s1, steps, panel, btail, h, acc);
+                half_tile<1>(a, a_bytes, s0, s1, steps, panel, btail, h, acc, fetch);
             }
           }
         }
