@@ -156,7 +156,7 @@ double rl_amx_bf16(int64_t iters) {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
-  _tile_loadconfig(&c);
+  asm volatile("ldtilecfg %0" : : "m"(c));  // _tile_loadconfig: gcc drops the stores to c
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t i = 0; i < iters; ++i) {

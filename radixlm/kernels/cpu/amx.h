@@ -52,7 +52,9 @@ inline void configure() {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
-  _tile_loadconfig(&c);
+  // ldtilecfg as asm with the config as a memory input: gcc 12's _tile_loadconfig does not
+  // tell the compiler it reads the struct, and the stores above were seen dropped.
+  asm volatile("ldtilecfg %0" : : "m"(c));
 }
 
 }  // namespace amx
