@@ -39,10 +39,11 @@ def _needs_bf16_gemm(kernel_isa: str) -> None:
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 960), (6, 64, 64), (7, 70, 100), (33, 1536, 576), (300, 64, 130),
-                                   (2, 2, 17), (200, 40, 16), (97, 128, 192)])
+                                   (2, 2, 17), (200, 40, 16), (97, 128, 192), (270, 650, 70)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_linear_matches_torch(out_dtype, m, k, n, with_bias):
-    """Micro-tiles of 1-6 rows, row blocks of 96, partial last panels (n not a multiple of 64)."""
+    """Micro-tiles of 1-6 rows, row blocks of 96, partial last panels (n not a multiple of 64);
+    on AMX also 16/32-row tiles, 256-row blocks, k chunks of 9 steps ending in a ragged one."""
     g = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g).bfloat16()
