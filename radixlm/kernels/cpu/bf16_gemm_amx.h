@@ -8,9 +8,10 @@
 //
 // The packed panels ([panel][k / 2][64][2]) already are AMX's B layout: 16 consecutive k pairs
 // of 16 columns are one B tile, read 256 bytes a row apart. A micro-tile is up to 32 rows
-// (two A tiles) times one 64-column panel, computed as two 32-column halves of four C tiles
-// each, stored to a float32 block and finished by the AVX-512 epilogue of bf16_gemm.cpp (bias,
-// rounding, SiLU * up), so the fused epilogue stays bit for bit the unfused pair.
+// (two A tiles) times one 64-column panel: at most 16 rows in one pass over its four C tiles,
+// more as two 32-column halves (2 x 2 C tiles each). The result goes to a float32 block that
+// the AVX-512 epilogue of bf16_gemm.cpp finishes (bias, rounding, SiLU * up), so the fused
+// epilogue stays bit for bit the unfused pair.
 //
 // Every row goes through the same tile instructions whatever the rows beside it: rows past M
 // and k past K are zeros in per-thread copies (a partial A tile, the last k step when K is not
@@ -148,10 +149,11 @@ struct Scratch {
 
 // finish(m0, rows, panel, acc): the epilogue of up to 32 rows (acc [rows][64]).
 //
-// A task is (row block, panel). A block of one micro-tile of at most 16 rows (a decode batch)
-// takes the panel in one pass (panel_tile). Larger blocks take it in two halves of 32 columns,
-// each half over every micro-tile of the block before the next half, so the half panel's B
-// tiles are read from L1 by all but the first micro-tile, not from L2 by each.
+// A task is (row block, panel), each thread a contiguous share of them. A block of at most 16
+// rows (a decode batch) takes the panel in one pass (panel_tile). Larger blocks go in chunks of
+// kChunkSteps k steps: each chunk over every micro-tile of the block (both halves), so the
+// chunk of the panel is reused from L1/L2 rather than streamed again per micro-tile; C resumes
+// from float32 between chunks. Meanwhile the thread's next panel is fetched into L2 (Fetch).
 template <typename Finish>
 void linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, int nthreads,
             Finish&& finish) {

@@ -1,5 +1,6 @@
 // Prefill (extend) attention over a bf16 or int8 KV pool on AVX512-BF16 (Zen 4, Sapphire Rapids and
-// later): each request's new tokens attend causally to its cached prefix and to themselves.
+// later): each request's new tokens attend causally to its cached prefix and to themselves. On
+// CPUs with AMX, head dims 32 and 64 run on tiles instead (attend_rows_amx).
 //
 // Why native: torch's CPU flash attention runs this model's chunk shapes (9 query heads, 3 KV
 // heads, D 64) at a tenth of the bf16 dot-product peak, and a cached prefix costs it a boolean
@@ -265,8 +266,10 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
 // softmax above (the same masks, lazy rescaling and exponential) while the tiles go on to the
 // next block's S, and P @ V adds D / 16 tile products into O, which stays in C tiles
 // 0 .. D/16 - 1 across the blocks: it leaves them only when a row's maximum moves (rescaled in
-// memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's
-// B layout as they are, 64 and 4 D bytes a row apart.
+// memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K
+// tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's B layout as they are, 64 and 4 D
+// bytes a row apart. (Computed transposed, S^T = K Q^T with a vertical softmax, it measured
+// slower: docs/roofline.md, session 29.)
 constexpr int kAmxRows = 16;
 using AmxRows = RowsOf<kAmxRows>;
 
