@@ -12,29 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.cpu import build, ops
+from radixlm.kernels.cpu import ops
 from radixlm.kernels.cpu.cpuinfo import cpu_flags
 from radixlm.srt.layers import bf16_gemm
 from radixlm.srt.layers.linear import Linear
 
 
-@pytest.fixture(params=[*build.variants(), *(["avx512"] if {"amx_bf16", "amx_tile"} <= cpu_flags() else [])])
-def kernel_isa(request, monkeypatch) -> str:
-    """The builds of conftest's kernel_isa, and on an AMX CPU also the one without AMX, so that
-    both bf16 GEMM paths (tiles and AVX512-BF16) are checked there."""
-    if request.param != "native":
-        lib = build.load_variant(request.param)
-        if lib is None:
-            pytest.skip(f"the {request.param} build of the native kernels is unavailable")
-        monkeypatch.setattr(build, "_lib", lib)
-        monkeypatch.setattr(build, "_tried", True)
-    return request.param
-
-
 @pytest.fixture(autouse=True)
-def _needs_bf16_gemm(kernel_isa: str) -> None:
+def _needs_bf16_gemm(bf16_kernel_isa: str) -> None:
     if not ops.bf16_gemm_available():
-        pytest.skip(f"the {kernel_isa} build has no AVX512-BF16 GEMM")
+        pytest.skip(f"the {bf16_kernel_isa} build has no AVX512-BF16 GEMM")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -71,10 +58,10 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(m, k, n):
     assert torch.equal(bf16_gemm.linear(x[1:], packed, None), full[1:])  # whole tiles read in place
 
 
-def test_amx_serves_where_the_cpu_has_it_unless_turned_off(kernel_isa: str):
+def test_amx_serves_where_the_cpu_has_it_unless_turned_off(bf16_kernel_isa: str):
     """One path per process: the native build takes the tiles on an AMX CPU; RADIXLM_BF16_AMX=0
     (read once, at the first GEMM) keeps AVX512-BF16; the avx512 build never has them."""
-    if kernel_isa != "native":
+    if bf16_kernel_isa != "native":
         assert not ops.bf16_gemm_amx()
         return
     has_amx = {"amx_bf16", "amx_tile"} <= cpu_flags()

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.cpu import build, ops
-from radixlm.kernels.cpu.cpuinfo import cpu_flags
+from radixlm.kernels.cpu import ops
 from radixlm.srt.model_runner.attention.base import create_attention_backend
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, dequantize_kv, quantize_kv
@@ -16,16 +15,10 @@ pytestmark = pytest.mark.skipif(not ops.extend_attention_supported(1, 1, 64),
                                 reason="library built without AVX512-BF16 (the kernel's only path)")
 
 
-@pytest.fixture(autouse=True, params=["native", *(["avx512"] if {"amx_bf16", "amx_tile"} <= cpu_flags() else [])])
-def _build(request, monkeypatch) -> None:
+@pytest.fixture(autouse=True)
+def _build(amx_isa: str) -> None:
     """On an AMX CPU every test runs on both paths: the native build's tiles (head dims 32 and
     64) and the AVX512-BF16 build's register tiles."""
-    if request.param != "native":
-        lib = build.load_variant(request.param)
-        if lib is None:
-            pytest.skip(f"the {request.param} build of the native kernels is unavailable")
-        monkeypatch.setattr(build, "_lib", lib)
-        monkeypatch.setattr(build, "_tried", True)
 
 
 def _reference(q, k_buf, v_buf, q_indptr, kv_indptr, kv_indices, scale):
