@@ -48,6 +48,11 @@ inline void store16(uint16_t* o, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// Bias columns 16 j .. 16 j + 15 (those in mask) widened to float32; zeros without a bias.
+inline __m512 bias16(const uint16_t* bias, int j, __mmask16 mask = 0xFFFF) {
+  return bias ? radixlm::rowwise::load16(bias + 16 * j, mask) : _mm512_setzero_ps();
+}
+
 // The epilogue of a micro-tile: out rows = acc rows (+ bias), rounded once to TO; kSilu:
 // silu(gate) * up of a silu-gated panel (vectors 0-1 the gate's 32 columns, 2-3 the up's).
 // acc(m, j): row m's accumulators of columns 16 j .. 16 j + 15.
@@ -55,10 +60,7 @@ template <typename TO, bool kSilu, typename Acc>
 inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int64_t os, int ncols) {
   if constexpr (kSilu) {  // whole panels only
     __m512 b[4];
-    for (int j = 0; j < 4; ++j)
-      b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16 * j))), 16))
-                  : _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) b[j] = bias16(bias, j);
     for (int m = 0; m < rows; ++m)
       for (int j = 0; j < 2; ++j)
         radixlm::rowwise::store_silu_mul16(out + m * os + 16 * j, _mm512_add_ps(acc(m, j), b[j]),
@@ -71,10 +73,7 @@ inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int6
     // quarter of the GEMM; after, the plain linears 2-8% faster).
     if (ncols == 64) {
       __m512 b[4];
-      for (int j = 0; j < 4; ++j)
-        b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + 16 * j))), 16))
-                    : _mm512_setzero_ps();
+      for (int j = 0; j < 4; ++j) b[j] = bias16(bias, j);
       for (int m = 0; m < rows; ++m)
         for (int j = 0; j < 4; j += 2)
           _mm512_storeu_si512(out + m * os + 16 * j,
@@ -86,10 +85,8 @@ inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int6
   for (int j = 0; j < 4; ++j) {
     const int left = ncols - 16 * j;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16))
-                          : _mm512_setzero_ps();  // bf16 bias widened (a 16-bit shift)
+    const __mmask16 mask = radixlm::rowwise::tail_mask(left);
+    const __m512 b = bias16(bias, j, mask);
     for (int m = 0; m < rows; ++m) store16(out + m * os + 16 * j, _mm512_add_ps(acc(m, j), b), mask);
   }
 }
