@@ -171,6 +171,59 @@ struct RowsOf {  // one tile of query rows
 };
 using Rows = RowsOf<kRows>;
 
+// The online softmax of one kKeys block for R rows, shared by attend_rows and attend_rows_amx.
+// s: the block's scores, set to kNoMax in place past each row's kend when the block crosses one
+// (masked); m: the rows' running maxima (16 lanes, those past R 0), corr: where a row's maximum
+// moves, its correction (1 elsewhere); l: the rows' sums of weights; pb[r]: row r's weights
+// rounded to bf16, keys in order (64 bytes). Returns the rows whose maximum moved.
+//
+// Lazy rescaling: a row's running maximum m moves only when a block's maximum passes it by more
+// than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and bf16 alike), and
+// most blocks need no correction of the output and l at all.
+template <int R>
+__attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][kTiles], const int64_t* kend,
+                                                              int64_t k0, bool masked, float c, float* m, float* corr,
+                                                              __m512* l, uint32_t (*pb)[kKeys / 2]) {
+  const __m512 vc = _mm512_set1_ps(c);
+  alignas(64) float bm[16] = {};
+  __mmask16 mk[R][kTiles];
+  for (int r = 0; r < R; ++r) {
+    if (masked) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, kend[r] - k0));
+      for (int t = 0; t < kTiles; ++t) {
+        const int64_t nt = n - 16 * t;
+        mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+        s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], s[r][t]);
+      }
+    }
+    __m512 mx = s[r][0];
+    for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
+    bm[r] = _mm512_reduce_max_ps(mx);
+  }
+  const __m512 mold = _mm512_load_ps(m);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
+                                          _mm512_set1_ps(8.f), _CMP_GT_OQ) & ((1u << R) - 1);
+  if (up) {
+    const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
+    _mm512_store_ps(m, mnew);
+    _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 mc = _mm512_set1_ps(m[r] * c);
+    __m512 p[kTiles];
+    for (int t = 0; t < kTiles; ++t) {
+      p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));
+      if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
+    }
+    __m512 sum = p[0];
+    for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
+    l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
+    for (int t = 0; t < kTiles; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
+      _mm512_store_si512(pb[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
+  }
+  return up;
+}
+
 // Attention of one tile of rows over the packed keys of their request and KV head.
 template <int D>
 void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float scale) {
@@ -178,7 +231,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   alignas(64) uint32_t qb[kRows][DP];
   alignas(64) float acc[kRows][D];
   alignas(64) uint32_t pb[kRows][kKeys / 2];
-  alignas(64) float m[16], bm[16], corr[16];
+  alignas(64) float m[16], corr[16];
   __m512 l[kRows];
   for (int r = 0; r < kRows; ++r) {
     memcpy(qb[r], rows.q[r], D * sizeof(uint16_t));
@@ -186,14 +239,13 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     m[r] = kNoMax;
     l[r] = _mm512_setzero_ps();
   }
-  for (int r = kRows; r < 16; ++r) m[r] = bm[r] = 0.f;
+  for (int r = kRows; r < 16; ++r) m[r] = 0.f;
   int64_t kmin = rows.kend[0], kmax = rows.kend[0];
   for (int r = 1; r < kRows; ++r) {
     kmin = std::min(kmin, rows.kend[r]);
     kmax = std::max(kmax, rows.kend[r]);
   }
   const float c = scale * 1.44269504088896341f;  // log2(e)
-  const __m512 vc = _mm512_set1_ps(c);
   for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
     const uint32_t* kt = kp + k0 * D / 2;  // kKeys keys of D bf16 (D / 2 words each)
     __m512 s[kRows][kTiles];
@@ -207,45 +259,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
         for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], kk[t], qq);
       }
     }
-    const bool masked = k0 + kKeys > kmin;
-    __mmask16 mk[kRows][kTiles];
-    for (int r = 0; r < kRows; ++r) {
-      if (masked) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
-        for (int t = 0; t < kTiles; ++t) {
-          const int64_t nt = n - 16 * t;
-          mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
-          s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], s[r][t]);
-        }
-      }
-      __m512 mx = s[r][0];
-      for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
-      bm[r] = _mm512_reduce_max_ps(mx);
-    }
-    // Lazy rescaling: a row's running maximum m moves only when a block's maximum passes it
-    // by more than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and
-    // bf16 alike), and most blocks need no correction of acc and l at all.
-    const __m512 mold = _mm512_load_ps(m);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
-                                            _mm512_set1_ps(8.f), _CMP_GT_OQ) & ((1u << kRows) - 1);
-    if (up) {
-      const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
-      _mm512_store_ps(m, mnew);
-      _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 mc = _mm512_set1_ps(m[r] * c);
-      __m512 p[kTiles];
-      for (int t = 0; t < kTiles; ++t) {
-        p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));
-        if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
-      }
-      __m512 sum = p[0];
-      for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
-      l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
-      for (int t = 0; t < kTiles; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
-        _mm512_store_si512(pb[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
-    }
+    const __mmask16 up = softmax_block<kRows>(s, rows.kend, k0, k0 + kKeys > kmin, c, m, corr, l, pb);
     const uint32_t* vt = vp + k0 * D / 2;
     constexpr int RG = pv_rows<D>();
     static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
@@ -298,9 +312,9 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
   constexpr int DP = D / 2, R = kAmxRows;
   alignas(64) uint16_t qb[R][D];
   alignas(64) float sb[R][kKeys];
-  alignas(64) uint16_t pb[R][kKeys];
+  alignas(64) uint32_t pb[R][kKeys / 2];
   alignas(64) float ob[R][D];
-  alignas(64) float m[16], bm[16], corr[16];
+  alignas(64) float m[16], corr[16];
   __m512 l[R];
   for (int r = 0; r < R; ++r) {
     memcpy(qb[r], rows.q[r], D * sizeof(uint16_t));
@@ -313,7 +327,6 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
     kmax = std::max(kmax, rows.kend[r]);
   }
   const float c = scale * 1.44269504088896341f;  // log2(e)
-  const __m512 vc = _mm512_set1_ps(c);
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (D == 64) {
@@ -338,52 +351,17 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
     _tile_stored(5, sb[0] + 16, kKeys * 4);
     // The next block's scores run on the tiles while this block's softmax runs on the vectors.
     if (k0 + kKeys < kmax) scores(k0 + kKeys);
-    const bool masked = k0 + kKeys > kmin;
-    __mmask16 mk[R][kTiles];
     __m512 sv[R][kTiles];
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r)
       for (int t = 0; t < kTiles; ++t) sv[r][t] = _mm512_load_ps(sb[r] + 16 * t);
-      if (masked) {
-        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, rows.kend[r] - k0));
-        for (int t = 0; t < kTiles; ++t) {
-          const int64_t nt = n - 16 * t;
-          mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
-          sv[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], sv[r][t]);
-        }
-      }
-      __m512 mx = sv[r][0];
-      for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, sv[r][t]);
-      bm[r] = _mm512_reduce_max_ps(mx);
-    }
-    // Lazy rescaling, as attend_rows: the running maximum moves only past a margin of 2^8.
-    const __m512 mold = _mm512_load_ps(m);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
-                                            _mm512_set1_ps(8.f), _CMP_GT_OQ);
-    if (up) {
-      const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
-      _mm512_store_ps(m, mnew);
-      _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
-      if (k0 > 0) {  // O holds earlier blocks: each moved row times its correction (the rest x 1)
-        o_tiles<D>(ob, true);
-        for (int r = 0; r < R; ++r)
-          if (up >> r & 1)
-            for (int d = 0; d < D; d += 16)
-              _mm512_store_ps(ob[r] + d, _mm512_mul_ps(_mm512_load_ps(ob[r] + d), _mm512_set1_ps(corr[r])));
-        o_tiles<D>(ob, false);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 mc = _mm512_set1_ps(m[r] * c);
-      __m512 p[kTiles];
-      for (int t = 0; t < kTiles; ++t) {
-        p[t] = exp2_512(_mm512_fmsub_ps(sv[r][t], vc, mc));
-        if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
-      }
-      __m512 sum = p[0];
-      for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
-      l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
-      for (int t = 0; t < kTiles; t += 2)
-        _mm512_store_si512(pb[r] + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
+    const __mmask16 up = softmax_block<R>(sv, rows.kend, k0, k0 + kKeys > kmin, c, m, corr, l, pb);
+    if (up && k0 > 0) {  // O holds earlier blocks: each moved row times its correction
+      o_tiles<D>(ob, true);
+      for (int r = 0; r < R; ++r)
+        if (up >> r & 1)
+          for (int d = 0; d < D; d += 16)
+            _mm512_store_ps(ob[r] + d, _mm512_mul_ps(_mm512_load_ps(ob[r] + d), _mm512_set1_ps(corr[r])));
+      o_tiles<D>(ob, false);
     }
     const uint32_t* vt = vp + k0 * D / 2;  // kKeys / 2 pairs of D words
     _tile_loadd(6, pb[0], kKeys * 2);
