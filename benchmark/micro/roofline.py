@@ -1,7 +1,8 @@
 """This machine's limits, for docs/roofline.md: the core clock, per-core and all-core peak
 multiply-accumulates per second in each instruction form radixlm's kernels use (fp32 FMA on
 256/512-bit vectors, int8 dots as the AVX2 sign trick or AVX512-VNNI, AVX512-BF16 dots, AMX
-bf16 tile products), and
+bf16 tile products) and in the shape of the bf16 and w8a8 GEMMs' micro-kernels (their loads,
+broadcasts and per-group fold from L1, against the bare instruction's peak), and
 DRAM read bandwidth with 1 and all threads (streaming, and in the scattered rows a decode batch's
 KV pool is read in); then what the GEMMs of a decode step reach
 against them (torch fp32/bf16, radixlm's int8 and float kernels) at batch 1 and 32, and the
@@ -37,6 +38,8 @@ PEAKS = {  # name -> (what it measures, MACs per instruction)
     "int8_avx2": "int8 dot, AVX2 sign trick (vpsignb + vpmaddubsw + vpmaddwd + vpaddd = 32 MACs)",
     "vnni512": "int8 dot, AVX512-VNNI (64 MACs per vpdpbusd)",
     "bf16dp512": "bf16 dot, AVX512-BF16 (32 MACs per vdpbf16ps)",
+    "bf16dp512_tile": "bf16 GEMM micro-kernel from L1: per k pair 4 weight loads, 6 vpbroadcastd, 24 vdpbf16ps",
+    "vnni512_group": "w8a8 GEMM micro-kernel, one group of 32 k from L1: 96 vpdpbusd, then 12 vcvtdq2ps + vfmadd231ps",
     "amx_bf16": "bf16 tile product, AMX (8,192 MACs per tdpbf16ps)",
 }
 

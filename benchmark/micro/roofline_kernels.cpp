@@ -22,6 +22,17 @@ int64_t rl_clock(int64_t iters) {
 // compiler kept them on the stack, which measures the store-to-load path instead.
 #define RL_REP12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
+// For the loops shaped like a kernel: operands read from L1, 24 accumulators zeroed, the
+// registers they clobber.
+[[maybe_unused]] alignas(64) static uint8_t rl_l1[4096];
+#define RL_ZERO24 "vpxord %%zmm0, %%zmm0, %%zmm0\n" RL_REP12(RL_Z) RL_Z(12) RL_Z(13) RL_Z(14) RL_Z(15) \
+  RL_Z(16) RL_Z(17) RL_Z(18) RL_Z(19) RL_Z(20) RL_Z(21) RL_Z(22) RL_Z(23)
+#define RL_Z(i) "vmovaps %%zmm0, %%zmm" #i "\n"
+#define RL_CLOBBER24                                                                                        \
+  "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", \
+      "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22", "xmm23",     \
+      "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "memory", "cc"
+
 #if defined(__FMA__)
 // fp32 FMA on 256-bit vectors: 12 independent vfmadd231ps chains (latency 4 x 2 pipes).
 double rl_fma256(int64_t iters) {
@@ -115,6 +126,39 @@ double rl_vnni512(int64_t iters) {
   return 0;
 }
 int64_t rl_vnni512_macs_per_iter() { return 12 * 64; }
+
+// The w8a8 GEMM's micro-kernel for one group of 32 k (quant_ops.cpp): 12 int32 accumulators
+// started from the group's correction, 8 k-quads of 2 weight loads, 6 broadcasts and 12
+// vpdpbusd, then the fold of each accumulator into its float sum (vcvtdq2ps + vfmadd231ps by
+// the row's group scale). Against vnni512 it shows what the per-group scales cost.
+#define RL_KQ(o)                                                                                     \
+  "vmovdqa64 " #o "(%1), %%zmm28\n vmovdqa64 " #o "+64(%1), %%zmm29\n"                             \
+  "vpbroadcastd 1024(%1), %%zmm24\n vpdpbusd %%zmm28, %%zmm24, %%zmm0\n vpdpbusd %%zmm29, %%zmm24, %%zmm1\n"  \
+  "vpbroadcastd 1028(%1), %%zmm25\n vpdpbusd %%zmm28, %%zmm25, %%zmm2\n vpdpbusd %%zmm29, %%zmm25, %%zmm3\n"  \
+  "vpbroadcastd 1032(%1), %%zmm26\n vpdpbusd %%zmm28, %%zmm26, %%zmm4\n vpdpbusd %%zmm29, %%zmm26, %%zmm5\n"  \
+  "vpbroadcastd 1036(%1), %%zmm27\n vpdpbusd %%zmm28, %%zmm27, %%zmm6\n vpdpbusd %%zmm29, %%zmm27, %%zmm7\n"  \
+  "vpbroadcastd 1040(%1), %%zmm24\n vpdpbusd %%zmm28, %%zmm24, %%zmm8\n vpdpbusd %%zmm29, %%zmm24, %%zmm9\n"  \
+  "vpbroadcastd 1044(%1), %%zmm25\n vpdpbusd %%zmm28, %%zmm25, %%zmm10\n vpdpbusd %%zmm29, %%zmm25, %%zmm11\n"
+#define RL_F(i, f, sc) "vcvtdq2ps %%zmm" #i ", %%zmm" #i "\n vfmadd231ps %%zmm" #sc ", %%zmm" #i ", %%zmm" #f "\n"
+#define RL_FOLD2(off, r, i0, i1, f0, f1) "vbroadcastss " #off "(%1), %%zmm" #r "\n" RL_F(i0, f0, r) RL_F(i1, f1, r)
+#define RL_START(i, k) "vmovdqa64 %%zmm" #k ", %%zmm" #i "\n"
+double rl_vnni512_group(int64_t iters) {
+  asm volatile(
+      RL_ZERO24
+      "vmovdqa64 2048(%1), %%zmm30\n vmovdqa64 2112(%1), %%zmm31\n"
+      "1:\n"
+      RL_START(0, 30) RL_START(1, 31) RL_START(2, 30) RL_START(3, 31) RL_START(4, 30) RL_START(5, 31)
+      RL_START(6, 30) RL_START(7, 31) RL_START(8, 30) RL_START(9, 31) RL_START(10, 30) RL_START(11, 31)
+      RL_KQ(0) RL_KQ(128) RL_KQ(256) RL_KQ(384) RL_KQ(512) RL_KQ(640) RL_KQ(768) RL_KQ(896)
+      RL_FOLD2(1536, 24, 0, 1, 12, 13) RL_FOLD2(1540, 25, 2, 3, 14, 15) RL_FOLD2(1544, 26, 4, 5, 16, 17)
+      RL_FOLD2(1548, 27, 6, 7, 18, 19) RL_FOLD2(1552, 24, 8, 9, 20, 21) RL_FOLD2(1556, 25, 10, 11, 22, 23)
+      "dec %0\n jnz 1b\n"
+      : "+r"(iters)
+      : "r"(rl_l1)
+      : RL_CLOBBER24, "xmm29", "xmm30", "xmm31");
+  return 0;
+}
+int64_t rl_vnni512_group_macs_per_iter() { return 96 * 64; }
 #endif
 
 #if defined(__AVX512BF16__)
@@ -137,6 +181,29 @@ double rl_bf16dp512(int64_t iters) {
   return 0;
 }
 int64_t rl_bf16dp512_macs_per_iter() { return 12 * 32; }
+
+// The bf16 GEMM's micro-kernel as it runs (bf16_gemm.cpp): per k pair 4 weight vectors loaded
+// and 6 rows' (x[k], x[k+1]) broadcast from L1 by vpbroadcastd, 24 vdpbf16ps. Against
+// bf16dp512 it shows what the loads and broadcasts cost the dot products.
+#define RL_ROW(b, off, a0, a1, a2, a3)                                                            \
+  "vpbroadcastd " #off "(%1), %%zmm28\n"                                                        \
+  "vdpbf16ps %%zmm24, %%zmm28, %%zmm" #a0 "\n vdpbf16ps %%zmm25, %%zmm28, %%zmm" #a1 "\n"       \
+  "vdpbf16ps %%zmm26, %%zmm28, %%zmm" #a2 "\n vdpbf16ps %%zmm27, %%zmm28, %%zmm" #a3 "\n"
+double rl_bf16dp512_tile(int64_t iters) {
+  asm volatile(
+      RL_ZERO24
+      "1:\n"
+      "vmovdqa64 (%1), %%zmm24\n vmovdqa64 64(%1), %%zmm25\n vmovdqa64 128(%1), %%zmm26\n vmovdqa64 192(%1), %%zmm27\n"
+      RL_ROW(0, 256, 0, 1, 2, 3) RL_ROW(1, 320, 4, 5, 6, 7) RL_ROW(2, 384, 8, 9, 10, 11)
+      RL_ROW(3, 448, 12, 13, 14, 15) RL_ROW(4, 512, 16, 17, 18, 19) RL_ROW(5, 576, 20, 21, 22, 23)
+      "dec %0\n jnz 1b\n"
+      : "+r"(iters)
+      : "r"(rl_l1)
+      : RL_CLOBBER24);
+  return 0;
+}
+int64_t rl_bf16dp512_tile_macs_per_iter() { return 24 * 32; }
+
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
