@@ -185,7 +185,7 @@ int64_t rl_bf16dp512_macs_per_iter() { return 12 * 32; }
 // The bf16 GEMM's micro-kernel as it runs (bf16_gemm.cpp): per k pair 4 weight vectors loaded
 // and 6 rows' (x[k], x[k+1]) broadcast from L1 by vpbroadcastd, 24 vdpbf16ps. Against
 // bf16dp512 it shows what the loads and broadcasts cost the dot products.
-#define RL_ROW(b, off, a0, a1, a2, a3)                                                            \
+#define RL_ROW(off, a0, a1, a2, a3)                                                               \
   "vpbroadcastd " #off "(%1), %%zmm28\n"                                                        \
   "vdpbf16ps %%zmm24, %%zmm28, %%zmm" #a0 "\n vdpbf16ps %%zmm25, %%zmm28, %%zmm" #a1 "\n"       \
   "vdpbf16ps %%zmm26, %%zmm28, %%zmm" #a2 "\n vdpbf16ps %%zmm27, %%zmm28, %%zmm" #a3 "\n"
@@ -194,8 +194,8 @@ double rl_bf16dp512_tile(int64_t iters) {
       RL_ZERO24
       "1:\n"
       "vmovdqa64 (%1), %%zmm24\n vmovdqa64 64(%1), %%zmm25\n vmovdqa64 128(%1), %%zmm26\n vmovdqa64 192(%1), %%zmm27\n"
-      RL_ROW(0, 256, 0, 1, 2, 3) RL_ROW(1, 320, 4, 5, 6, 7) RL_ROW(2, 384, 8, 9, 10, 11)
-      RL_ROW(3, 448, 12, 13, 14, 15) RL_ROW(4, 512, 16, 17, 18, 19) RL_ROW(5, 576, 20, 21, 22, 23)
+      RL_ROW(256, 0, 1, 2, 3) RL_ROW(320, 4, 5, 6, 7) RL_ROW(384, 8, 9, 10, 11)
+      RL_ROW(448, 12, 13, 14, 15) RL_ROW(512, 16, 17, 18, 19) RL_ROW(576, 20, 21, 22, 23)
       "dec %0\n jnz 1b\n"
       : "+r"(iters)
       : "r"(rl_l1)
@@ -203,7 +203,6 @@ double rl_bf16dp512_tile(int64_t iters) {
   return 0;
 }
 int64_t rl_bf16dp512_tile_macs_per_iter() { return 24 * 32; }
-
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
