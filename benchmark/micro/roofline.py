@@ -99,7 +99,8 @@ def calibrate(call, seconds: float) -> int:
 def peaks(lib: ctypes.CDLL, seconds: float, repeats: int, cores: int) -> dict:
     out: dict = {}
     clock_iters = calibrate(lib.rl_clock, seconds)
-    out["clock_ghz"] = round(best_rate(lambda: lib.rl_clock(clock_iters), clock_iters, seconds, repeats) / 1e9, 2)
+    cycles = clock_iters * lib.rl_clock_cycles_per_iter()
+    out["clock_ghz"] = round(best_rate(lambda: lib.rl_clock(clock_iters), cycles, seconds, repeats) / 1e9, 2)
     for name, what in PEAKS.items():
         fn = getattr(lib, f"rl_{name}", None)
         if fn is None:
