@@ -1,7 +1,7 @@
 """Plot the benchmark results: reads the JSON files under benchmark/results/ (or the files
 given) and writes one PNG.
 
-    python benchmark/plot.py [FILE.json ...] [--out benchmark/results/benchmarks.png] [--isa avx2|avx512|any]
+    python benchmark/plot.py [FILE.json ...] [--out benchmark/results/benchmarks.png] [--isa avx2|avx512|amx|any]
 
 Panels, each drawn when some file has its data:
   - output tok/s per engine per offline workload (offline_throughput, prefix_sharing, ...);
@@ -10,7 +10,8 @@ Panels, each drawn when some file has its data:
   - serving: output tok/s vs concurrency per engine, and inter-token / first-token latency
     percentiles (p50, p90, p99) vs concurrency.
 Results from different processors are never mixed in one plot: --isa keeps the files measured
-on an AVX-512 CPU (avx512) or an AVX2-only one (avx2); the default is the kind this machine is.
+on an AMX CPU (amx), an AVX-512 one without AMX (avx512) or an AVX2-only one (avx2); the
+default is the kind this machine is.
 matplotlib is optional (not a radixlm dependency): `pip install matplotlib`.
 """
 from __future__ import annotations
@@ -93,16 +94,23 @@ def load(paths: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
+def kind_of(isa) -> str:
+    """amx, avx512 or avx2: an AMX CPU's bf16 kernels run on tiles (docs/roofline.md, session
+    29), so its results are kept apart from the AVX-512 ones."""
+    return "amx" if "amx_bf16" in isa else "avx512" if "avx512f" in isa else "avx2"
+
+
 def isa_kind(machine: dict | None) -> str | None:
-    """avx512 or avx2, from a result's machine description (None when it has none)."""
+    """The kind of CPU (kind_of) a result was measured on, from its machine description (None
+    when it has none)."""
     if not machine or "isa" not in machine:
         return None
-    return "avx512" if "avx512f" in machine["isa"] else "avx2"
+    return kind_of(machine["isa"])
 
 
 def this_isa() -> str:
     from radixlm.kernels.cpu.cpuinfo import cpu_flags
-    return "avx512" if "avx512f" in cpu_flags() else "avx2"
+    return kind_of(cpu_flags())
 
 
 def conc_label(c) -> str:
@@ -113,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help=f"result JSON files (default: {RESULTS}/*.json)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "benchmarks.png"))
-    ap.add_argument("--isa", choices=("avx2", "avx512", "any"), default=None,
+    ap.add_argument("--isa", choices=("avx2", "avx512", "amx", "any"), default=None,
                     help="plot the results of this kind of CPU only (default: this machine's)")
     args = ap.parse_args()
     isa = args.isa or this_isa()
