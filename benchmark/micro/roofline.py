@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from common import emit  # noqa: E402
 
 SRC = os.path.join(HERE, "roofline_kernels.cpp")
+KERNELS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "radixlm", "kernels", "cpu")  # amx.h
 PEAKS = {  # name -> (what it measures, MACs per instruction)
     "fma256": "fp32 FMA, 256-bit (8 MACs per vfmadd231ps)",
     "fma512": "fp32 FMA, 512-bit (16 MACs per vfmadd231ps)",
@@ -45,12 +46,15 @@ PEAKS = {  # name -> (what it measures, MACs per instruction)
 
 
 def build() -> ctypes.CDLL:
-    with open(SRC, "rb") as f:
-        tag = hashlib.sha256(f.read()).hexdigest()[:12]
-    out = os.path.join(tempfile.gettempdir(), f"radixlm_roofline_{tag}_{os.getuid()}.so")
+    h = hashlib.sha256()
+    for path in (SRC, os.path.join(KERNELS, "amx.h")):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    out = os.path.join(tempfile.gettempdir(), f"radixlm_roofline_{h.hexdigest()[:12]}_{os.getuid()}.so")
     if not os.path.exists(out):
         tmp = out + f".{os.getpid()}"
-        subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", SRC, "-o", tmp], check=True)
+        subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", f"-I{KERNELS}", SRC, "-o", tmp],
+                       check=True)
         os.replace(tmp, out)
     lib = ctypes.CDLL(out)
     lib.rl_clock.argtypes = [ctypes.c_int64]

@@ -6,8 +6,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"  // the kernels' own tile permission and configuration (radixlm/kernels/cpu)
 
 extern "C" {
 
@@ -209,24 +209,12 @@ double rl_bf16dp512_tile(int64_t iters) {
 int64_t rl_bf16dp512_tile_macs_per_iter() { return 24 * 32; }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef RADIXLM_BF16_AMX
 // bf16 tile products: four independent TDPBF16PS chains (C tiles 0-3 from A tiles 4-5 and B
 // tiles 6-7), each 16 x 16 x 32 = 8,192 multiply-accumulates.
-struct alignas(64) RlTileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 double rl_amx_bf16(int64_t iters) {
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return -1;
-  RlTileConfig c;
-  memset(&c, 0, sizeof c);
-  c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    c.colsb[t] = 64;
-    c.rows[t] = 16;
-  }
-  asm volatile("ldtilecfg %0" : : "m"(c));  // _tile_loadconfig: gcc drops the stores to c
+  if (!radixlm::amx::permitted()) return -1;
+  radixlm::amx::configure();
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
   for (int64_t i = 0; i < iters; ++i) {
