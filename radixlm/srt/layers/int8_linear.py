@@ -102,7 +102,8 @@ def pack_int8_weight(q: torch.Tensor, scale: torch.Tensor, silu_gated: bool = Fa
     packed = empty_hugepage((tiles, k_pad // 4, TILE_COLS, 4), torch.int8)  # streamed every step
     packed.copy_(wp.view(tiles, TILE_COLS, k_pad // 4, 4).permute(0, 2, 1, 3))
     group_sums = wp.view(tiles, TILE_COLS, k_pad // GROUP, GROUP).sum(dim=3, dtype=torch.int32)
-    comp = (group_sums * 128).permute(0, 2, 1).contiguous()
+    comp = empty_hugepage((tiles, k_pad // GROUP, TILE_COLS), torch.int32)  # read with each tile
+    comp.copy_((group_sums * 128).permute(0, 2, 1))
     scale_pad = torch.ones(n_pad, dtype=torch.float32)
     scale_pad[:n] = scale
     gemm = ops.Int8Gemm(packed, comp, scale_pad, n, k, silu=silu_gated) if native_available() else None
