@@ -67,6 +67,7 @@ _SIGNATURES = {
     "radixlm_int8_linear_available": [],
     "radixlm_int8_linear": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_int8_linear_silu": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
+    "radixlm_int8_linear_argmax": [_INT, _PTR, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT, _PTR, _INT],
     "radixlm_int8_linear_norm": [_INT, _PTR, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _I64, _INT, _PTR, _PTR, _PTR, _INT,
                                  _INT, _PTR, _PTR, _I64, _INT, _INT],
     "radixlm_store_kv_int8": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT],

@@ -382,7 +382,7 @@ class Int8Gemm:
     a call is one output allocation and one ctypes call: int8_linear() above re-checks and
     re-reads the same pointers every time (~5 us, and a decode step makes ~120 of these
     calls)."""
-    __slots__ = ("_fn", "_keep", "_packed", "_comp", "_scale", "n", "k", "n_out")
+    __slots__ = ("_fn", "_argmax_fn", "_keep", "_packed", "_comp", "_scale", "n", "k", "n_out")
 
     def __init__(self, packed: torch.Tensor, comp: torch.Tensor, w_scale: torch.Tensor, n: int, k: int,
                  silu: bool = False) -> None:
@@ -397,6 +397,7 @@ class Int8Gemm:
         if silu and n % 32 != 0:
             raise ValueError(f"a silu-gated weight has whole 32-column tiles, not {n} columns")
         self._fn = lib.radixlm_int8_linear_silu if silu else lib.radixlm_int8_linear
+        self._argmax_fn = None if silu else lib.radixlm_int8_linear_argmax
         self._keep = (packed, comp, w_scale)  # the pointers below stay valid while this lives
         self._packed, self._comp, self._scale = packed.data_ptr(), comp.data_ptr(), w_scale.data_ptr()
         self.n, self.k = n, k
@@ -411,6 +412,18 @@ class Int8Gemm:
                  self.n, _DTYPE_CODE[out_dtype], bias.data_ptr() if bias is not None else None, out.data_ptr(),
                  self.n_out, torch.get_num_threads())
         return out
+
+    def argmax(self, x: torch.Tensor, n_cols: int) -> torch.Tensor | None:
+        """int8_linear(x, no bias, float32).argmax(-1) over the first n_cols output columns,
+        without the [M, n] output (torch.argmax's answer: the first largest, a NaN first).
+        x as for __call__. None where the build has no such kernel (AVX2 only)."""
+        if self._argmax_fn is None or not 0 < n_cols <= self.n:
+            return None
+        m = x.shape[0]
+        ids = torch.empty(m, dtype=torch.int64)
+        rc = self._argmax_fn(_DTYPE_CODE[x.dtype], x.data_ptr(), x.stride(0), m, self.k, self._packed, self._comp,
+                             self._scale, n_cols, ids.data_ptr(), torch.get_num_threads())
+        return ids if rc == 0 else None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

@@ -45,6 +45,7 @@
 #define RADIXLM_INT8_AVX2 1
 #define RADIXLM_INT8_GEMM 1
 #endif
+#include <limits.h>
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -170,6 +171,17 @@ struct TilePrefetch {
     for (int i = 0; i < per_group && lines > 0; ++i, --lines, p += 64) _mm_prefetch(p, _MM_HINT_T0);
   }
 };
+
+// int8_linear_argmax: one thread's best columns so far for one output row, per lane (lane j
+// sees columns 16 b + j of every tile), so that a block costs a compare and two masked
+// stores instead of a horizontal reduction; reduced over lanes and threads once at the end.
+// Columns reach a lane in increasing order, so a strict > keeps the first of equal values.
+// NaN never compares greater: `nan` is the row's first NaN column (torch.argmax's answer).
+struct alignas(64) RowBest {
+  float v[16];
+  int32_t i[16];
+  int32_t nan;
+};
 #endif
 
 #ifdef RADIXLM_VNNI
@@ -208,10 +220,12 @@ inline void store_silu_mul(TO* o, __m512 g, __m512 u) {
 #endif
 }
 
-template <int MR, typename TO, bool kSilu>
+// kArgmax: no output; each row's values (as a float32 output would hold them) update the
+// row's RowBest in best[m] instead, for columns c0 + 0 .. ncols - 1.
+template <int MR, typename TO, bool kSilu, bool kArgmax = false>
 void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
                 const int32_t* comp, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
-                TilePrefetch& pf) {
+                TilePrefetch& pf, RowBest* best = nullptr, int c0 = 0) {
   static_assert(MR >= 1 && MR <= 6, "micro_tile handles 1-6 rows");
   const __m512 zf = _mm512_setzero_ps();
 #define RADIXLM_FACC(m) __m512 f##m##0 = zf, f##m##1 = zf;
@@ -264,6 +278,34 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_SILU
     return;
   }
+  if constexpr (kArgmax) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+#define RADIXLM_BEST(m, b)                                                                          \
+  if constexpr (MR > m) {                                                                           \
+    const __m512 v = has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv);    \
+    RowBest& rb = best[m];                                                                          \
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, v, _mm512_load_ps(rb.v), _CMP_GT_OQ);        \
+    _mm512_mask_store_ps(rb.v, gt, v);                                                              \
+    _mm512_mask_store_epi32(rb.i, gt, _mm512_add_epi32(iota, _mm512_set1_epi32(col)));              \
+    /* NaN on the bits: the library is built with -ffast-math */                                   \
+    const __mmask16 nan = _mm512_mask_cmpgt_epi32_mask(                                             \
+        mask, _mm512_and_si512(_mm512_castps_si512(v), abs_bits), inf_bits);                        \
+    if (nan) rb.nan = std::min(rb.nan, col + __builtin_ctz(nan));                                   \
+  }
+#define RADIXLM_BEST_BLOCK(b)                                                                \
+  if (b * 16 < ncols) {                                                                      \
+    const int left = ncols - b * 16, col = c0 + b * 16;                                      \
+    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);   \
+    const __m512 wsv = _mm512_loadu_ps(ws + b * 16);                                         \
+    const __m512 bv = has_bias ? load_bias(bias + b * 16, mask) : zf;                        \
+    RADIXLM_BEST(0, b) RADIXLM_BEST(1, b) RADIXLM_BEST(2, b) RADIXLM_BEST(3, b) RADIXLM_BEST(4, b) RADIXLM_BEST(5, b) \
+  }
+    RADIXLM_BEST_BLOCK(0) RADIXLM_BEST_BLOCK(1)
+#undef RADIXLM_BEST_BLOCK
+#undef RADIXLM_BEST
+    return;
+  }
 #define RADIXLM_OUT(m, b) \
   if constexpr (MR > m)   \
     store_row(out + m * os + b * 16, mask, has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv));
@@ -290,10 +332,10 @@ constexpr bool kOffsetActivations = false;  // the sign trick needs the signed v
 // 16 ymm registers; the float sums across groups live in memory (one load/store per group,
 // against 8 k-quads of 4 ops each). Named accumulators for the reason given in the VNNI
 // micro_tile. comp is unused: the activations are signed.
-template <int MR, typename TO, bool kSilu>
+template <int MR, typename TO, bool kSilu, bool kArgmax = false>
 void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, const int8_t* wt,
                 const int32_t* /*comp*/, const float* ws, const TO* bias, TO* out, int64_t os, int ncols,
-                TilePrefetch& pf) {
+                TilePrefetch& pf, RowBest* best = nullptr, int c0 = 0) {
   static_assert(MR >= 1 && MR <= 4, "micro_tile handles 1-4 rows");
   const __m256i ones = _mm256_set1_epi16(1);
   // kSilu: half 0 is the gate's 16 columns, kept (rounded to TO, as stored) until half 1, the
@@ -340,7 +382,7 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
     const int cols = std::min(16, ncols - half * 16);
     const float* wsh = ws + half * 16;
     for (int m = 0; m < MR; ++m) {
-      TO* o = !kSilu ? out + m * os + half * 16 : half == 0 ? gate[m] : up;
+      TO* o = kArgmax ? nullptr : !kSilu ? out + m * os + half * 16 : half == 0 ? gate[m] : up;
       alignas(32) float r[16];
       for (int b = 0; b < 2; ++b) {
         const __m256 f = _mm256_load_ps(facc[m] + 8 * b), wsv = _mm256_loadu_ps(wsh + 8 * b);
@@ -352,9 +394,29 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
         } else {
           v = _mm256_mul_ps(f, wsv);
         }
+        if constexpr (kArgmax) {  // the VNNI micro_tile's RowBest update, 8 lanes at a time
+          if (8 * b >= cols) break;
+          const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          const int col = c0 + half * 16 + 8 * b;
+          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * b), iota));
+          RowBest& rb = best[m];
+          const __m256 bv = _mm256_load_ps(rb.v + 8 * b);
+          const __m256 gt = _mm256_and_ps(_mm256_cmp_ps(v, bv, _CMP_GT_OQ), valid);
+          _mm256_store_ps(rb.v + 8 * b, _mm256_blendv_ps(bv, v, gt));
+          const __m256i bi = _mm256_load_si256((const __m256i*)(rb.i + 8 * b));
+          const __m256i ci = _mm256_add_epi32(iota, _mm256_set1_epi32(col));
+          _mm256_store_si256((__m256i*)(rb.i + 8 * b), _mm256_castps_si256(_mm256_blendv_ps(
+              _mm256_castsi256_ps(bi), _mm256_castsi256_ps(ci), gt)));
+          const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
+          const int nan = _mm256_movemask_ps(
+              _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000))), valid));
+          if (nan) rb.nan = std::min(rb.nan, col + __builtin_ctz(nan));
+          continue;
+        }
         if (cols == 16) radixlm::store8(o + 8 * b, v);
         else _mm256_store_ps(r + 8 * b, v);
       }
+      if constexpr (kArgmax) continue;
       if (cols < 16)
         for (int i = 0; i < cols; ++i) o[i] = from_f<TO>(r[i]);
       if (kSilu && half == 1) silu_mul_span(gate[m], up, out + m * os, 16);
@@ -378,10 +440,11 @@ struct NormIn {
 
 // kSilu: the gate_up tile layout of int8_linear_silu; out has N / 2 columns. norm: x is
 // norm->normed, computed here (NormIn).
-template <typename TI, typename TO, bool kSilu = false>
+// kArgmax: best [nthreads][M] instead of out (see RowBest; TO = float, what is compared).
+template <typename TI, typename TO, bool kSilu = false, bool kArgmax = false>
 void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* packed, const int32_t* comp,
                  const float* w_scale, int N, const TO* bias, TO* out, int64_t out_stride, int nthreads,
-                 const NormIn<TI>* norm = nullptr) {
+                 const NormIn<TI>* norm = nullptr, RowBest* best = nullptr) {
   if (M <= 0) return;
   const int ng = (K + kGroup - 1) / kGroup;
   const int64_t Kp = (int64_t)ng * kGroup;
@@ -445,10 +508,13 @@ void int8_linear(const TI* x, int64_t x_stride, int64_t M, int K, const int8_t* 
       const int64_t rows = base + (step < extra ? 1 : 0);
       const uint8_t* xr = xq + m0 * Kp;
       const float* sr = xs + m0 * ng;
-      TO* o = out + m0 * out_stride + (kSilu ? c0 / 2 : c0);
+      TO* o = kArgmax ? nullptr : out + m0 * out_stride + (kSilu ? c0 / 2 : c0);
+      RowBest* rb = kArgmax ? best + (int64_t)omp_get_thread_num() * M + m0 : nullptr;
       switch (rows) {
-#define RADIXLM_TILE(R) \
-  case R: micro_tile<R, TO, kSilu>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf); break;
+#define RADIXLM_TILE(R)                                                                                      \
+  case R:                                                                                                    \
+    micro_tile<R, TO, kSilu, kArgmax>(xr, Kp, sr, ng, wt, ct, w_scale + c0, b, o, out_stride, ncols, pf, rb, c0); \
+    break;
         RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4)
 #if defined(RADIXLM_VNNI)
         RADIXLM_TILE(5) RADIXLM_TILE(6)
@@ -520,6 +586,55 @@ int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M,
                         void* out, int64_t out_stride, int nthreads) {
   return int8_linear_call<false>(x_dtype, x, x_stride, M, K, packed, comp, w_scale, N, out_dtype, bias, out,
                                  out_stride, nthreads);
+}
+
+// The first column of each row's largest value (torch.argmax over the float32 output of
+// int8_linear, NaN first) of columns 0 .. N - 1, without the [M, N] output: for greedy
+// sampling off an LM head (32 x 49,152 float32 logits are 6.3 MB written and read again).
+// No bias. ids: int64 [M]. -1: built without the int8 GEMM.
+int radixlm_int8_linear_argmax(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
+                               const int32_t* comp, const float* w_scale, int N, int64_t* ids, int nthreads) {
+#ifdef RADIXLM_INT8_GEMM
+  if (M <= 0) return 0;
+  if (N <= 0) return -2;
+  const int nt = std::max(1, nthreads);
+  std::vector<RowBest> best((size_t)nt * M);
+  const uint32_t neg_inf = 0xff800000u;  // as bits: -ffast-math may fold infinities
+  for (RowBest& rb : best) {
+    for (int j = 0; j < 16; ++j) {
+      memcpy(&rb.v[j], &neg_inf, 4);
+      rb.i[j] = -1;
+    }
+    rb.nan = INT32_MAX;
+  }
+  if (x_dtype == 0)
+    int8_linear<float, float, false, true>((const float*)x, x_stride, M, K, packed, comp, w_scale, N, nullptr,
+                                           nullptr, 0, nt, nullptr, best.data());
+  else
+    int8_linear<uint16_t, float, false, true>((const uint16_t*)x, x_stride, M, K, packed, comp, w_scale, N,
+                                              nullptr, nullptr, 0, nt, nullptr, best.data());
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t nan = INT32_MAX, bi = -1;
+    float bv = 0.f;
+    for (int t = 0; t < nt; ++t) {
+      const RowBest& rb = best[(size_t)t * M + m];
+      nan = std::min(nan, rb.nan);
+      for (int j = 0; j < 16; ++j) {
+        const int32_t i = rb.i[j];
+        if (i >= 0 && (bi < 0 || rb.v[j] > bv || (rb.v[j] == bv && i < bi))) {
+          bv = rb.v[j];
+          bi = i;
+        }
+      }
+    }
+    ids[m] = nan != INT32_MAX ? nan : bi >= 0 ? bi : 0;  // all -inf: column 0, as torch
+  }
+  return 0;
+#else
+  (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)comp; (void)w_scale; (void)N;
+  (void)ids; (void)nthreads;
+  return -1;
+#endif
 }
 
 // The gate_up weight in int8_linear_silu's layout (N = 2I, whole 32-column tiles), bias (if

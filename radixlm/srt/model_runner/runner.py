@@ -325,20 +325,23 @@ class ModelRunner:
         ready: dict = {}
         sampled = None
         tokens = torch.full((n,), -1, dtype=torch.int64, device=hidden.device)
-        if rows:
+        srows = []
+        for i in sample_idx:
+            r = batch.reqs[i]
+            # overlap: the live output list may grow while this batch runs; use the snapshot
+            outs = batch.output_snapshots[i] if batch.output_snapshots is not None else r.output_ids
+            srows.append(sampling_row(r, outs))
+        # structured output: mask with each matcher, then advance it by the sampled token now,
+        # before any later batch builds its mask (semantics §7)
+        matchers = [batch.grammars[i] for i in sample_idx] if batch.grammars is not None else None
+        if sample_idx and not lp_slices and not matchers:
+            sampled = self.sampler.sample_greedy_fused(hidden, srows, self.model)
+        if rows and sampled is None:
             logits = self.model.compute_logits(hidden)
         if sample_idx:
-            srows = []
-            for i in sample_idx:
-                r = batch.reqs[i]
-                # overlap: the live output list may grow while this batch runs; use the snapshot
-                outs = batch.output_snapshots[i] if batch.output_snapshots is not None else r.output_ids
-                srows.append(sampling_row(r, outs))
-            # structured output: mask with each matcher, then advance it by the sampled token
-            # now, before any later batch builds its mask (semantics §7)
-            matchers = [batch.grammars[i] for i in sample_idx] if batch.grammars is not None else None
-            vocab_mask = build_vocab_mask(matchers, self.vocab_size, logits.device) if matchers else None
-            sampled = self.sampler.sample_tensors(logits[:len(sample_idx)], srows, vocab_mask=vocab_mask)
+            if sampled is None:
+                vocab_mask = build_vocab_mask(matchers, self.vocab_size, logits.device) if matchers else None
+                sampled = self.sampler.sample_tensors(logits[:len(sample_idx)], srows, vocab_mask=vocab_mask)
             if len(sample_idx) == n:
                 tokens = sampled.ids
             else:

@@ -69,6 +69,7 @@ class SamplerStats:
 
     calls: int = 0
     fast_path_calls: int = 0
+    fused_argmax_calls: int = 0  # fast-path calls whose argmax came from the LM head itself
     top_k_rows: int = 0
     top_p_rows: int = 0
     top_p_full_sort_rows: int = 0  # top_p rows whose nucleus needed a full-vocab sort
@@ -241,6 +242,23 @@ class Sampler:
         else:
             ids_t = self._sample_slow(raw, rows, plan, vocab_mask)
         return self._chosen_logprobs(raw, ids_t, rows, plan.logprob)
+
+    def sample_greedy_fused(self, hidden: torch.Tensor, rows: list[SamplingRow], model) -> SampleTensors | None:
+        """sample_tensors(model.compute_logits(hidden), rows) for a batch that needs nothing of
+        the logits but their argmax (the fast path, no logprobs), from the model's
+        `greedy_tokens` (the LM head's GEMM keeps each row's best column instead of writing
+        the logits). None when the batch needs more or the model cannot: compute the logits."""
+        plan = BatchPlan.build(rows)
+        if not plan.fast_path or plan.logprob:
+            return None
+        greedy = getattr(model, "greedy_tokens", None)
+        ids = greedy(hidden, self.vocab_size) if greedy is not None else None
+        if ids is None:
+            return None
+        self.stats.calls += 1
+        self.stats.fast_path_calls += 1
+        self.stats.fused_argmax_calls += 1
+        return SampleTensors(ids)
 
     def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor | list[int],
                     top_k: int) -> tuple[list[float], list[list[tuple[float, int]]]]:

@@ -113,6 +113,54 @@ def test_bound_gemm_matches_the_checked_call():
 
 @needs_int8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,n,n_cols", [(1, 576, 1000, 1000), (32, 576, 4096, 4096), (33, 64, 700, 650),
+                                          (5, 100, 70, 65), (3, 40, 31, 31), (64, 96, 2048, 2000)])
+def test_argmax_is_the_float32_outputs_argmax(dtype, m, k, n, n_cols):
+    """Greedy sampling off an int8 LM head: the GEMM keeps each row's best column instead of
+    writing the logits, and answers torch.argmax over the first n_cols float32 outputs."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = il.quantize_weight(torch.randn(n, k, generator=g) * 0.05)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    want = il.int8_linear(x, w, None, torch.float32)[:, :n_cols].argmax(-1)
+    assert torch.equal(w.gemm.argmax(x, n_cols), want)
+    assert w.gemm.argmax(x, n + 1) is None and w.gemm.argmax(x, 0) is None  # not a column range of it
+
+
+@needs_int8
+def test_argmax_takes_the_first_of_equal_columns_and_a_nan_first():
+    # Equal rows of the weight give bit-equal outputs: the first such column is the answer,
+    # wherever the others fall (another tile, the other thread's tiles, another lane).
+    g = torch.Generator().manual_seed(3)
+    n, k = 1024, 96
+    weight = torch.randn(n, k, generator=g) * 0.01
+    for c in (37, 5, 600, 901, 21):
+        weight[c] = 0.5
+    x = torch.ones(7, k)
+    x[3] = -1.0  # this row's largest are elsewhere: the most negative weight sums
+    w = il.quantize_weight(weight)
+    out = il.int8_linear(x, w, None, torch.float32)
+    want = out.argmax(-1)
+    assert want[0].item() == 5 and want[3].item() != 5
+    assert torch.equal(w.gemm.argmax(x, n), want)
+    # NaN outputs (here a NaN channel scale): torch.argmax answers the first NaN column.
+    w.scale[700] = float("nan")
+    w.scale[44] = float("nan")
+    want = il.int8_linear(x, w, None, torch.float32).argmax(-1)
+    assert want.tolist() == [44] * 7
+    assert torch.equal(w.gemm.argmax(x, n), want)
+    assert torch.equal(w.gemm.argmax(x, 40), out[:, :40].argmax(-1))  # the NaN columns are past n_cols
+
+
+def test_argmax_is_not_offered_for_a_silu_gated_weight():
+    if not ops.int8_linear_available():
+        pytest.skip("library built without the int8 GEMM")
+    g = torch.Generator().manual_seed(4)
+    w = il.quantize_weight(torch.randn(64, 32, generator=g), silu_gated=True)
+    assert w.gemm is not None and w.gemm.argmax(torch.randn(2, 32), 32) is None
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,k,inter", [(1, 576, 1536), (32, 576, 1536), (7, 70, 48), (300, 64, 16), (13, 100, 32)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_silu_gated_gemm_is_the_unfused_pair_bit_for_bit(dtype, m, k, inter, with_bias):
