@@ -8,7 +8,9 @@ Pipeline per call, each stage applied only to the rows that need it:
                  (over the sorted top-k list when top_k is small, else the whole vocab)
 
 A batch that is all greedy with nothing altering the logits takes a fast path: one argmax
-over the raw logits (`stats.fast_path_calls` counts it).
+over the raw logits (`stats.fast_path_calls` counts it). Without logprobs either, the runner
+first asks `sample_greedy_fused` for the argmax straight from the LM head's GEMM, where the
+model can give it (`stats.fused_argmax_calls`): the logits are then never written.
 
 Random draws take one uniform u per row and pick the first token whose cumulative
 probability exceeds u (over the tokens the filters left). A request with `params.seed`
