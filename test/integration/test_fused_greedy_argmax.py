@@ -1,4 +1,4 @@
-"""Greedy batches off an int8 tied LM head take their tokens from the LM head's GEMM itself
+"""Greedy batches off a tied LM head in int8 or on radixlm's bf16 GEMM take their tokens from the LM head's GEMM itself
 (LlamaForCausalLM.greedy_tokens, Sampler.sample_greedy_fused): the same tokens as argmax over
 the logits, and only where nothing else needs the logits (logprobs, penalties, sampling,
 grammars, prompt logprobs take the logits as before)."""
@@ -13,10 +13,10 @@ from radixlm.sampling_params import SamplingParams
 from radixlm.srt.model_runner.sampler import Sampler
 from test.support.engine_checks import random_prompt
 
-pytestmark = pytest.mark.skipif(not ops.int8_linear_available(), reason="needs the native int8 GEMM")
+needs_int8 = pytest.mark.skipif(not ops.int8_linear_available(), reason="needs the native int8 GEMM")
 
 
-def _run(model_dir: str, dtype: str, fused: bool, monkeypatch) -> tuple[dict, object]:
+def _run(model_dir: str, dtype: str, fused: bool, monkeypatch, quantization: str | None = "w8a8_int8"):
     from radixlm.srt.scheduler_process import build_scheduler
 
     if not fused:
@@ -29,7 +29,7 @@ def _run(model_dir: str, dtype: str, fused: bool, monkeypatch) -> tuple[dict, ob
             d["ids"].extend(o.new_token_ids)
             d["lps"].extend(o.output_token_logprobs)
 
-    args = ServerArgs.from_kwargs(model_path=model_dir, dtype=dtype, quantization="w8a8_int8", max_total_tokens=800,
+    args = ServerArgs.from_kwargs(model_path=model_dir, dtype=dtype, quantization=quantization, max_total_tokens=800,
                                   max_running_requests=4, chunked_prefill_size=32, debug_check_integrity=True)
     sched, runner = build_scheduler(args, collect)
     try:
@@ -50,6 +50,7 @@ def _run(model_dir: str, dtype: str, fused: bool, monkeypatch) -> tuple[dict, ob
     return outs, runner.sampler.stats
 
 
+@needs_int8
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_greedy_tokens_are_the_logits_argmax(tiny_llama_tp_dir, dtype, monkeypatch):
     want, base = _run(tiny_llama_tp_dir, dtype, False, monkeypatch)
@@ -63,8 +64,20 @@ def test_fused_greedy_tokens_are_the_logits_argmax(tiny_llama_tp_dir, dtype, mon
     assert stats.calls == base.calls and stats.fast_path_calls == base.fast_path_calls
 
 
+@needs_int8
 def test_an_untied_lm_head_computes_the_logits(tiny_llama_dir, monkeypatch):
     # Its logits are rounded to the model dtype first (Linear's output), which the fused
     # argmax does not do: it is not offered there.
     _, stats = _run(tiny_llama_dir, "bfloat16", True, monkeypatch)
     assert stats.fused_argmax_calls == 0 and stats.fast_path_calls > 0
+
+
+def test_a_bf16_tied_head_gives_the_argmax_of_its_bf16_logits(tiny_llama_tp_dir, monkeypatch):
+    want, base = _run(tiny_llama_tp_dir, "bfloat16", False, monkeypatch, quantization=None)
+    got, stats = _run(tiny_llama_tp_dir, "bfloat16", True, monkeypatch, quantization=None)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    assert base.fused_argmax_calls == 0
+    if ops.bf16_gemm_available() and not ops.bf16_gemm_amx():
+        assert 12 <= stats.fused_argmax_calls < stats.fast_path_calls
+    else:  # no bf16 GEMM here, or it runs on AMX tiles: the logits are computed
+        assert stats.fused_argmax_calls == 0

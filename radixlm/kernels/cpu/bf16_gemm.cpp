@@ -26,9 +26,11 @@
 #include <string.h>
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "bf16_gemm_amx.h"
 #include "gemm_tasks.h"
+#include "row_best.h"
 #include "rowwise_avx512.h"
 
 #ifdef RADIXLM_ROWWISE_AVX512  // AVX512-BF16 (with F, BW and VL, as every CPU that has it)
@@ -91,6 +93,23 @@ inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int6
   }
 }
 
+// bf16_linear_argmax's epilogue: each row's columns c0 .. c0 + ncols - 1 as a bfloat16 output
+// holds them (finish_rows' sum and rounding), into the row's RowBest (row_best.h).
+template <typename Acc>
+inline void best_rows(Acc&& acc, int rows, const uint16_t* bias, radixlm::RowBest* best, int c0, int ncols) {
+  for (int j = 0; j < 4; ++j) {
+    const int left = ncols - 16 * j;
+    if (left <= 0) break;
+    const __mmask16 mask = radixlm::rowwise::tail_mask(left);
+    const __m512 b = bias16(bias, j, mask);
+    for (int m = 0; m < rows; ++m) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc(m, j), b));
+      const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      radixlm::take16(best[m], v, mask, c0 + 16 * j);
+    }
+  }
+}
+
 // out[MR rows][ncols <= 64] = x rows (bf16, xs apart) times one panel (K2 pairs of k).
 // A micro-tile's pass over the whole panel. (Passes over 128- or 256-k slices that stay in L1,
 // partial sums kept between them, measured 5-15% slower at batch 1 and 32 with the weights
@@ -99,9 +118,11 @@ inline void finish_rows(Acc&& acc, int rows, const uint16_t* bias, TO* out, int6
 // The tile also fetches k pairs [pf0, pf1) of the panel its thread multiplies next (pf) into
 // L2, spread evenly over its own k loop, so that panel's first micro-tile does not wait for
 // DRAM (each k pair of a panel is 4 cache lines).
-template <int MR, bool Fetch, typename TO, bool kSilu>
+// kArgmax: best_rows into best (rows m0 ..) instead of out.
+template <int MR, bool Fetch, typename TO, bool kSilu, bool kArgmax = false>
 void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, const uint16_t* bias, TO* out,
-                int64_t os, int ncols, const uint16_t* pf, int pf0, int pf1) {
+                int64_t os, int ncols, const uint16_t* pf, int pf0, int pf1, radixlm::RowBest* best = nullptr,
+                int c0 = 0) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -128,7 +149,10 @@ void micro_tile(const uint16_t* x, int64_t xs, int K2, const uint16_t* panel, co
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
   }
-  finish_rows<TO, kSilu>([&](int m, int j) { return acc[m][j]; }, MR, bias, out, os, ncols);
+  if constexpr (kArgmax)
+    best_rows([&](int m, int j) { return acc[m][j]; }, MR, bias, best, c0, ncols);
+  else
+    finish_rows<TO, kSilu>([&](int m, int j) { return acc[m][j]; }, MR, bias, out, os, ncols);
 }
 
 #ifdef RADIXLM_BF16_AMX
@@ -144,12 +168,14 @@ void bf16_linear_amx(const uint16_t* x, int64_t xs, int64_t M, int K, const uint
 }
 #endif
 
-// kSilu: the silu-gated panel layout, out has N / 2 columns.
-template <typename TO, bool kSilu = false>
+// kSilu: the silu-gated panel layout, out has N / 2 columns. kArgmax: best [nthreads][M]
+// instead of out (bf16_linear_argmax; not on AMX tiles, which its caller checks).
+template <typename TO, bool kSilu = false, bool kArgmax = false>
 void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t* packed, int N, const uint16_t* bias,
-                 TO* out, int64_t os, int nthreads) {
+                 TO* out, int64_t os, int nthreads, radixlm::RowBest* best = nullptr) {
 #ifdef RADIXLM_BF16_AMX
-  if (radixlm::amx::enabled()) return bf16_linear_amx<TO, kSilu>(x, xs, M, K, packed, N, bias, out, os, nthreads);
+  if constexpr (!kArgmax)
+    if (radixlm::amx::enabled()) return bf16_linear_amx<TO, kSilu>(x, xs, M, K, packed, N, bias, out, os, nthreads);
 #endif
   const int K2 = K / 2;
   radixlm::run_gemm_tasks<kMR>(M, N, K, kNR, kRowBlock, nthreads, [&](int64_t m0, int rows, int p,
@@ -160,15 +186,16 @@ void bf16_linear(const uint16_t* x, int64_t xs, int64_t M, int K, const uint16_t
     const int c0 = p * kNR, ncols = std::min(kNR, N - c0);
     const uint16_t* b = bias ? bias + c0 : nullptr;
     const uint16_t* xr = x + m0 * xs;
-    TO* o = out + m0 * os + (kSilu ? c0 / 2 : c0);
+    TO* o = kArgmax ? nullptr : out + m0 * os + (kSilu ? c0 / 2 : c0);
+    radixlm::RowBest* rb = kArgmax ? best + (int64_t)omp_get_thread_num() * M + m0 : nullptr;
     const bool fetch = pf1 > pf0;
     switch (rows) {
-#define RADIXLM_TILE(R)                                                   \
-  case R:                                                                 \
-    if (fetch)                                                            \
-      micro_tile<R, true, TO, kSilu>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
-    else                                                                  \
-      micro_tile<R, false, TO, kSilu>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1); \
+#define RADIXLM_TILE(R)                                                                                   \
+  case R:                                                                                                 \
+    if (fetch)                                                                                            \
+      micro_tile<R, true, TO, kSilu, kArgmax>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1, rb, c0);  \
+    else                                                                                                  \
+      micro_tile<R, false, TO, kSilu, kArgmax>(xr, xs, K2, panel, b, o, os, ncols, pf, pf0, pf1, rb, c0); \
     break;
       RADIXLM_TILE(1) RADIXLM_TILE(2) RADIXLM_TILE(3) RADIXLM_TILE(4) RADIXLM_TILE(5) RADIXLM_TILE(6)
 #undef RADIXLM_TILE
@@ -223,6 +250,31 @@ int radixlm_bf16_gemm_amx() {
 int radixlm_bf16_linear(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
                         const void* bias, int out_dtype, void* out, int64_t out_stride, int nthreads) {
   return bf16_linear_call<false>(x, x_stride, M, K, packed, N, bias, out_dtype, out, out_stride, nthreads);
+}
+
+// The first column of each row's largest value among columns 0 .. N - 1 of
+// radixlm_bf16_linear's bfloat16 output (no bias), NaN first, as torch.argmax over it; the
+// output itself is never written (row_best.h). ids: int64 [M]. -1: built without AVX512-BF16,
+// or the GEMMs run on AMX tiles here (the caller computes the output instead); -2: odd K.
+int radixlm_bf16_linear_argmax(const void* x, int64_t x_stride, int64_t M, int K, const void* packed, int N,
+                               int64_t* ids, int nthreads) {
+#ifdef RADIXLM_BF16_GEMM
+#ifdef RADIXLM_BF16_AMX
+  if (radixlm::amx::enabled()) return -1;
+#endif
+  if (K % 2 != 0 || N <= 0) return -2;
+  if (M <= 0) return 0;
+  const int nt = std::max(1, nthreads);
+  std::vector<radixlm::RowBest> best((size_t)nt * M);
+  radixlm::init_row_best(best.data(), (int64_t)best.size());
+  bf16_linear<uint16_t, false, true>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, nullptr, nullptr,
+                                     0, nt, best.data());
+  radixlm::finish_row_best(best.data(), nt, M, ids);
+  return 0;
+#else
+  (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)N; (void)ids; (void)nthreads;
+  return -1;
+#endif
 }
 
 // The gate_up weight in bf16_linear_silu's panel order (N = 2I, whole 64-column panels), bias

@@ -38,7 +38,7 @@ SOURCES = [_HERE / "cpu_ops.cpp", _HERE / "quant_ops.cpp", _HERE / "sample_ops.c
            _HERE / "float_gemm.cpp", _HERE / "bf16_gemm.cpp", _HERE / "extend_attention.cpp", _HERE / "decode_layers.cpp",
            _HERE / "table_ops.cpp"]
 HEADERS = [_HERE / "amx.h", _HERE / "avx2.h", _HERE / "bf16.h", _HERE / "bf16_gemm_amx.h", _HERE / "decode_tasks.h", _HERE / "gemm_tasks.h",
-           _HERE / "rowwise_avx512.h", _HERE / "row_spans.h"]
+           _HERE / "rowwise_avx512.h", _HERE / "row_best.h", _HERE / "row_spans.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 # Linked in a separate step without -ffast-math: linked with it, gcc adds crtfastmath.o, whose
 # constructor turns on flush-to-zero / denormals-are-zero for the whole process that loads the
@@ -78,6 +78,7 @@ _SIGNATURES = {
     "radixlm_bf16_gemm_amx": [],
     "radixlm_bf16_linear": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
     "radixlm_bf16_linear_silu": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT, _PTR, _I64, _INT],
+    "radixlm_bf16_linear_argmax": [_PTR, _I64, _I64, _INT, _PTR, _INT, _PTR, _INT],
     "radixlm_float_linear": [_INT, _PTR, _I64, _I64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _I64, _INT],
     "radixlm_extend_attention_available": [],
     "radixlm_extend_attention_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT,

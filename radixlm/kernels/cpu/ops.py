@@ -377,6 +377,22 @@ def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     return out if rc == 0 else None
 
 
+def bf16_linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, n_cols: int) -> torch.Tensor | None:
+    """bf16_linear(x, panels, n, None, bfloat16)[:, :n_cols].argmax(-1) without the output
+    (int64 [M]; the first largest, a NaN first, as torch.argmax). None when unsupported (no
+    AVX512-BF16, the GEMMs on AMX tiles, inputs bf16_linear would not take)."""
+    lib = load()
+    if lib is None or x.dtype != torch.bfloat16 or not _rows_ok(x) or not 0 < n_cols <= n:
+        return None
+    if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
+        return None
+    m, k = x.shape
+    ids = torch.empty(m, dtype=torch.int64)
+    rc = lib.radixlm_bf16_linear_argmax(_ptr(x), x.stride(0), m, k, _ptr(panels), n_cols, _ptr(ids),
+                                        torch.get_num_threads())
+    return ids if rc == 0 else None
+
+
 class Int8Gemm:
     """A weight packed by int8_linear.pack_int8_weight bound to the native GEMM once, so that
     a call is one output allocation and one ctypes call: int8_linear() above re-checks and

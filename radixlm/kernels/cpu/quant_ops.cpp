@@ -45,7 +45,6 @@
 #define RADIXLM_INT8_AVX2 1
 #define RADIXLM_INT8_GEMM 1
 #endif
-#include <limits.h>
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -54,6 +53,7 @@
 
 #include "avx2.h"
 #include "bf16.h"
+#include "row_best.h"
 #include "row_spans.h"
 
 namespace {
@@ -62,6 +62,7 @@ using radixlm::from_f;
 using radixlm::to_f;
 using radixlm::add_rmsnorm_span;
 using radixlm::silu_mul_span;
+using radixlm::RowBest;
 
 constexpr int kGroup = 32;  // input features per activation scale (int8_linear.py: GROUP)
 // Same reasoning as cpu_ops.cpp: a decode batch's pass is a few microseconds of work.
@@ -172,16 +173,6 @@ struct TilePrefetch {
   }
 };
 
-// int8_linear_argmax: one thread's best columns so far for one output row, per lane (lane j
-// sees columns 16 b + j of every tile), so that a block costs a compare and two masked
-// stores instead of a horizontal reduction; reduced over lanes and threads once at the end.
-// Columns reach a lane in increasing order, so a strict > keeps the first of equal values.
-// NaN never compares greater: `nan` is the row's first NaN column (torch.argmax's answer).
-struct alignas(64) RowBest {
-  float v[16];
-  int32_t i[16];
-  int32_t nan;
-};
 #endif
 
 #ifdef RADIXLM_VNNI
@@ -279,20 +270,9 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
     return;
   }
   if constexpr (kArgmax) {
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
-#define RADIXLM_BEST(m, b)                                                                          \
-  if constexpr (MR > m) {                                                                           \
-    const __m512 v = has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv);    \
-    RowBest& rb = best[m];                                                                          \
-    const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, v, _mm512_load_ps(rb.v), _CMP_GT_OQ);        \
-    _mm512_mask_store_ps(rb.v, gt, v);                                                              \
-    _mm512_mask_store_epi32(rb.i, gt, _mm512_add_epi32(iota, _mm512_set1_epi32(col)));              \
-    /* NaN on the bits: the library is built with -ffast-math */                                   \
-    const __mmask16 nan = _mm512_mask_cmpgt_epi32_mask(                                             \
-        mask, _mm512_and_si512(_mm512_castps_si512(v), abs_bits), inf_bits);                        \
-    if (nan) rb.nan = std::min(rb.nan, col + __builtin_ctz(nan));                                   \
-  }
+#define RADIXLM_BEST(m, b) \
+  if constexpr (MR > m)    \
+    radixlm::take16(best[m], has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv), mask, col);
 #define RADIXLM_BEST_BLOCK(b)                                                                \
   if (b * 16 < ncols) {                                                                      \
     const int left = ncols - b * 16, col = c0 + b * 16;                                      \
@@ -394,23 +374,9 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
         } else {
           v = _mm256_mul_ps(f, wsv);
         }
-        if constexpr (kArgmax) {  // the VNNI micro_tile's RowBest update, 8 lanes at a time
+        if constexpr (kArgmax) {  // lanes 8 b .. of the row's 16
           if (8 * b >= cols) break;
-          const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-          const int col = c0 + half * 16 + 8 * b;
-          const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * b), iota));
-          RowBest& rb = best[m];
-          const __m256 bv = _mm256_load_ps(rb.v + 8 * b);
-          const __m256 gt = _mm256_and_ps(_mm256_cmp_ps(v, bv, _CMP_GT_OQ), valid);
-          _mm256_store_ps(rb.v + 8 * b, _mm256_blendv_ps(bv, v, gt));
-          const __m256i bi = _mm256_load_si256((const __m256i*)(rb.i + 8 * b));
-          const __m256i ci = _mm256_add_epi32(iota, _mm256_set1_epi32(col));
-          _mm256_store_si256((__m256i*)(rb.i + 8 * b), _mm256_castps_si256(_mm256_blendv_ps(
-              _mm256_castsi256_ps(bi), _mm256_castsi256_ps(ci), gt)));
-          const __m256i mag = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff));
-          const int nan = _mm256_movemask_ps(
-              _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000))), valid));
-          if (nan) rb.nan = std::min(rb.nan, col + __builtin_ctz(nan));
+          radixlm::take8(best[m], v, cols - 8 * b, 8 * b, c0 + half * 16 + 8 * b);
           continue;
         }
         if (cols == 16) radixlm::store8(o + 8 * b, v);
@@ -599,36 +565,14 @@ int radixlm_int8_linear_argmax(int x_dtype, const void* x, int64_t x_stride, int
   if (N <= 0) return -2;
   const int nt = std::max(1, nthreads);
   std::vector<RowBest> best((size_t)nt * M);
-  const uint32_t neg_inf = 0xff800000u;  // as bits: -ffast-math may fold infinities
-  for (RowBest& rb : best) {
-    for (int j = 0; j < 16; ++j) {
-      memcpy(&rb.v[j], &neg_inf, 4);
-      rb.i[j] = -1;
-    }
-    rb.nan = INT32_MAX;
-  }
+  radixlm::init_row_best(best.data(), (int64_t)best.size());
   if (x_dtype == 0)
     int8_linear<float, float, false, true>((const float*)x, x_stride, M, K, packed, comp, w_scale, N, nullptr,
                                            nullptr, 0, nt, nullptr, best.data());
   else
     int8_linear<uint16_t, float, false, true>((const uint16_t*)x, x_stride, M, K, packed, comp, w_scale, N,
                                               nullptr, nullptr, 0, nt, nullptr, best.data());
-  for (int64_t m = 0; m < M; ++m) {
-    int32_t nan = INT32_MAX, bi = -1;
-    float bv = 0.f;
-    for (int t = 0; t < nt; ++t) {
-      const RowBest& rb = best[(size_t)t * M + m];
-      nan = std::min(nan, rb.nan);
-      for (int j = 0; j < 16; ++j) {
-        const int32_t i = rb.i[j];
-        if (i >= 0 && (bi < 0 || rb.v[j] > bv || (rb.v[j] == bv && i < bi))) {
-          bv = rb.v[j];
-          bi = i;
-        }
-      }
-    }
-    ids[m] = nan != INT32_MAX ? nan : bi >= 0 ? bi : 0;  // all -inf: column 0, as torch
-  }
+  radixlm::finish_row_best(best.data(), nt, M, ids);
   return 0;
 #else
   (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)comp; (void)w_scale; (void)N;

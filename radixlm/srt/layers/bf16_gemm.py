@@ -74,6 +74,14 @@ def linear(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None,
     return out
 
 
+def argmax(x: torch.Tensor, weight: PackedBf16Weight, n_cols: int) -> torch.Tensor | None:
+    """linear(x, weight, None)[:, :n_cols].argmax(-1) for x [M, in] bfloat16, without the output
+    (greedy sampling off an LM head); None where the kernel does not offer it."""
+    if weight.silu_gated or x.dim() != 2:
+        return None
+    return ops.bf16_linear_argmax(x, weight.panels, weight.out_features, n_cols)
+
+
 def linear_silu(x: torch.Tensor, weight: PackedBf16Weight, bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of a silu-gated gate_up weight: x [..., in] bfloat16 -> [..., out / 2]
     bfloat16, bias in the [gate | up] order of the float weight; None as `linear`."""

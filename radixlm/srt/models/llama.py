@@ -21,6 +21,7 @@ from radixlm.config import ModelConfig
 from radixlm.srt.distributed import vocab_parallel
 from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.distributed.layout import Shard
+from radixlm.srt.layers import bf16_gemm
 from radixlm.srt.layers.activation import GatedMLP
 from radixlm.srt.layers.int8_linear import Int8Weight, int8_linear, quantize_weight
 from radixlm.srt.layers.linear import Embedding, Linear, Packed, linear_packed, pack_for
@@ -193,14 +194,25 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """compute_logits(hidden)[:, :vocab_size].argmax(-1), the same ids, without the logits
         (int64 [n]), where the LM head allows it: one rank, the tied head multiplied in int8
-        (its float32 logits are never written: 6.3 MB a batch-32 step). None elsewhere."""
-        if self.tp.size > 1 or self.lm_head is not None or self.quantization is None:
+        or through radixlm's bf16 GEMM (whose logits, 32 x 49,152 float32 in a decode step, are
+        then never written). None elsewhere: the caller computes the logits."""
+        if self.tp.size > 1 or self.lm_head is not None or hidden.dim() != 2 or hidden.stride(1) != 1:
             return None
-        gemm = self._tied_head_int8_weight().gemm
-        if gemm is None or hidden.dim() != 2 or hidden.stride(1) != 1 or hidden.dtype not in (torch.float32,
-                                                                                             torch.bfloat16):
-            return None
-        return gemm.argmax(hidden, vocab_size)
+        if self.quantization is not None:
+            gemm = self._tied_head_int8_weight().gemm
+            if gemm is None or hidden.dtype not in (torch.float32, torch.bfloat16):
+                return None
+            return gemm.argmax(hidden, vocab_size)
+        packed = self._tied_head_pack()
+        if isinstance(packed, bf16_gemm.PackedBf16Weight):
+            return bf16_gemm.argmax(hidden, packed, vocab_size)  # the logits' bf16 rounding included
+        return None
+
+    def _tied_head_pack(self) -> Packed | None:
+        if not self._tied_head_pack_tried:
+            self._tied_head_packed = pack_for(self.model.embed_tokens.weight)
+            self._tied_head_pack_tried = True
+        return self._tied_head_packed
 
     def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -208,10 +220,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight
         if self.quantization is not None:
             return int8_linear(hidden, self._tied_head_int8_weight(), None, torch.float32)
-        if not self._tied_head_pack_tried:
-            self._tied_head_packed = pack_for(weight)
-            self._tied_head_pack_tried = True
-        return linear_packed(hidden, weight, self._tied_head_packed, None).float()
+        return linear_packed(hidden, weight, self._tied_head_pack(), None).float()
 
     def _invalidate_packed(self, pname: str) -> None:
         """Drop the prepacked copy of a weight that the caller is about to write."""

@@ -42,6 +42,43 @@ def test_bf16_linear_matches_torch(out_dtype, m, k, n, with_bias):
     torch.testing.assert_close(got.double(), ref, atol=1e-4 * k ** 0.5, rtol=rtol)
 
 
+@pytest.mark.parametrize("m,k,n,n_cols", [(1, 576, 1000, 1000), (32, 576, 4096, 4096), (33, 64, 700, 650),
+                                          (5, 100, 70, 65), (3, 40, 31, 31), (200, 96, 2048, 2000)])
+def test_argmax_is_the_bf16_outputs_argmax(m, k, n, n_cols):
+    """Greedy sampling off a bf16 LM head: the GEMM keeps each row's best column of its bf16
+    output (ties are common at bf16's precision: the first one) instead of writing it."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16()
+    packed = bf16_gemm.pack_weight(w)
+    got = bf16_gemm.argmax(x, packed, n_cols)
+    if ops.bf16_gemm_amx():  # the GEMMs run on tiles here: not offered, the caller computes the logits
+        assert got is None
+        return
+    out = bf16_gemm.linear(x, packed, None)
+    assert torch.equal(got, out.float()[:, :n_cols].argmax(-1))
+    assert bf16_gemm.argmax(x, packed, n + 1) is None and bf16_gemm.argmax(x.float(), packed, n) is None
+
+
+def test_argmax_takes_the_first_of_equal_columns_and_a_nan_first():
+    if ops.bf16_gemm_amx():
+        pytest.skip("not offered on AMX tiles")
+    g = torch.Generator().manual_seed(3)
+    n, k = 1024, 96
+    w = (torch.randn(n, k, generator=g) * 0.01).bfloat16()
+    for c in (37, 5, 600, 901, 21):
+        w[c] = 0.5
+    x = torch.ones(7, k).bfloat16()
+    x[3] = -1.0
+    packed = bf16_gemm.pack_weight(w)
+    out = bf16_gemm.linear(x, packed, None).float()
+    assert out.argmax(-1)[0].item() == 5
+    assert torch.equal(bf16_gemm.argmax(x, packed, n), out.argmax(-1))
+    x[2, 7] = float("nan")  # a NaN input: every output of the row is NaN, column 0 first
+    assert bf16_gemm.argmax(x, packed, n)[2].item() == 0
+    assert torch.equal(bf16_gemm.argmax(x, packed, n), bf16_gemm.linear(x, packed, None).float().argmax(-1))
+
+
 @pytest.mark.parametrize("m,k,n", [(13, 96, 136), (70, 70, 200)])
 def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(m, k, n):
     """(70, 70): on AMX, rows in whole 16-row tiles read in place and rows of a partial tile
