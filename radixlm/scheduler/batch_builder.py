@@ -56,7 +56,7 @@ def decode_batch(reqs: list[Req], cache: CacheManager, launched: WorkerBatch | N
     assert locs is not None, "decode memory was checked"
     input_ids, prefix_lens, snapshots = [], [], []
     for req in reqs:
-        position = len(req.fill_ids) + req.pending_tokens - 1
+        position = req.seqlen + req.pending_tokens - 1
         assert req.kv_allocated_len == position + 1, "decode slot out of step with the sequence"
         prefix_lens.append(position)
         # the newest token is still being sampled by the launched batch: name its row
@@ -80,7 +80,7 @@ def draft_batch(reqs: list[Req], drafts: list[list[int]], cache: CacheManager) -
     slots = cache.extend_each(reqs)
     assert slots is not None, "decode memory was checked"
     for req in reqs:
-        assert req.kv_allocated_len == len(req.fill_ids), "decode slot out of step with the sequence"
+        assert req.kv_allocated_len == req.seqlen, "decode slot out of step with the sequence"
     firsts = slots.clone().split(1)
     kept: list[list[int]] = []
     locs, input_ids, prefix_lens, extend_lens = [], [], [], []
@@ -91,7 +91,7 @@ def draft_batch(reqs: list[Req], drafts: list[list[int]], cache: CacheManager) -
         kept.append(list(draft))
         locs.append(first if more is None else torch.cat([first, more]))
         input_ids += [req.output_ids[-1], *draft]
-        prefix_lens.append(len(req.fill_ids) - 1)
+        prefix_lens.append(req.seqlen - 1)
         extend_lens.append(len(draft) + 1)
     n = len(reqs)
     return WorkerBatch(mode="decode", reqs=reqs, input_ids=input_ids, out_cache_loc=torch.cat(locs),

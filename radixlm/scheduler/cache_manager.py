@@ -158,7 +158,7 @@ class CacheManager:
         """An admission that went through: the prompt's cache hit, and the hit counters."""
         if not req.output_ids:
             req.cached_tokens = len(match)  # the prompt's cache hit, not a resume's
-        self.hit_stats["admitted_tokens"] += len(req.fill_ids)
+        self.hit_stats["admitted_tokens"] += req.seqlen
         self.hit_stats["device_hit_tokens"] += len(match) - match.loaded
         self.hit_stats["host_hit_tokens"] += match.loaded
 

@@ -159,7 +159,7 @@ class PrefillAdder:
     # ------------------------------------------------------------------ chunked request
     def add_chunked_req(self, req: Req) -> AddStatus:
         """Schedule the next chunk of the request in chunked prefill (it already holds a slot)."""
-        remaining = len(req.fill_ids) - req.kv_committed_len
+        remaining = req.seqlen - req.kv_committed_len
         n = self._chunk_len(remaining, req.kv_committed_len)
         budget = self.rem_total()
         if n > budget:
@@ -170,7 +170,7 @@ class PrefillAdder:
         loc = self.cache.extend(req, n)
         if loc is None:
             return AddStatus.NO_TOKEN
-        last = prefix + n == len(req.fill_ids)
+        last = prefix + n == req.seqlen
         self.plan.add(req, prefix, n, loc, last)
         self._account(n, remaining_reservation(req) if last else 0, prefix)
         self.slots_left -= 1
@@ -198,7 +198,7 @@ class PrefillAdder:
             return status, False
         match = self.cache.match(req, load_quota=self.rem_total())  # HiCache: loads host hits back
         prefix = len(match)
-        extend = len(req.fill_ids) - prefix
+        extend = req.seqlen - prefix
         if self.should_defer(req, prefix):
             return AddStatus.CONTINUE, False
         reserve = remaining_reservation(req)

@@ -101,7 +101,7 @@ class Speculation:
         for req in reqs:
             st = self.state(req)
             room = max(0, min(req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
-                              self.max_context_len - len(req.fill_ids) - 1))
+                              self.max_context_len - req.seqlen - 1))
             # No draft would pay (low acceptance, or a batch where extra rows cost about a step
             # each): skip the lookup, whose answer would be cut to nothing anyway.
             if not st.tracker.may_draft(min(room, max_k), cost, self.adaptive):
