@@ -14,10 +14,10 @@ Buffers below 4 MiB (each layer's packed weights and their corrections: the defa
 are 0.3-3.5 MiB) are carved one after another out of shared 32 MiB mappings instead, so that
 they are on huge pages too: with a mapping of their own each would hold a whole 2 MiB page
 for a few hundred KiB. A decode step's 120 int8 GEMMs over weights streamed from DRAM
-(benchmark/micro/weight_pages.py): 1.07x faster at batch 32 and 1.14x at batch 1 on the shared
-huge pages. A mapping is unmapped once every tensor carved from it is gone and it is no
-longer the one being filled, so repacking after weight updates leaves at most one partly used
-mapping behind per generation.
+(benchmark/micro/weight_pages.py): 1.04-1.07x faster at batch 32 and 1.12-1.14x at batch 1
+on the shared huge pages. A mapping is unmapped once every tensor carved from it is gone and
+it is no longer the one being filled, so repacking after weight updates leaves at most one
+partly used mapping behind per generation.
 
 RADIXLM_HUGEPAGES=0 turns it off (plain torch.empty); off Linux it is plain torch.empty.
 """
