@@ -16,7 +16,8 @@ from test.support.engine_checks import random_prompt
 needs_int8 = pytest.mark.skipif(not ops.int8_linear_available(), reason="needs the native int8 GEMM")
 
 
-def _run(model_dir: str, dtype: str, fused: bool, monkeypatch, quantization: str | None = "w8a8_int8"):
+def _run(model_dir: str, dtype: str, fused: bool, monkeypatch, quantization: str | None = "w8a8_int8",
+         overlap: bool = False):
     from radixlm.srt.scheduler_process import build_scheduler
 
     if not fused:
@@ -30,7 +31,8 @@ def _run(model_dir: str, dtype: str, fused: bool, monkeypatch, quantization: str
             d["lps"].extend(o.output_token_logprobs)
 
     args = ServerArgs.from_kwargs(model_path=model_dir, dtype=dtype, quantization=quantization, max_total_tokens=800,
-                                  max_running_requests=4, chunked_prefill_size=32, debug_check_integrity=True)
+                                  max_running_requests=4, chunked_prefill_size=32, debug_check_integrity=True,
+                                  enable_overlap_schedule=overlap)
     sched, runner = build_scheduler(args, collect)
     try:
         # Greedy requests alone, then greedy ones beside one that asks for logprobs and one
@@ -47,6 +49,8 @@ def _run(model_dir: str, dtype: str, fused: bool, monkeypatch, quantization: str
         sched.check_integrity()
     finally:
         monkeypatch.undo()
+        if sched.worker is not None:
+            sched.worker.shutdown()
     return outs, runner.sampler.stats
 
 
@@ -62,6 +66,16 @@ def test_fused_greedy_tokens_are_the_logits_argmax(tiny_llama_tp_dir, dtype, mon
     # the first four requests' batches (prefills and decodes) are fused; those beside r4 or r5 are not
     assert 12 <= stats.fused_argmax_calls < stats.fast_path_calls < stats.calls
     assert stats.calls == base.calls and stats.fast_path_calls == base.fast_path_calls
+
+
+@needs_int8
+def test_fused_tokens_under_overlap_scheduling(tiny_llama_tp_dir, monkeypatch):
+    # The forward thread launches batch N + 1 on placeholders for the tokens batch N samples:
+    # fused ids feed them as the logits' argmax did.
+    want, _ = _run(tiny_llama_tp_dir, "bfloat16", False, monkeypatch)
+    got, stats = _run(tiny_llama_tp_dir, "bfloat16", True, monkeypatch, overlap=True)
+    assert {k: v["ids"] for k, v in got.items()} == {k: v["ids"] for k, v in want.items()}
+    assert stats.fused_argmax_calls >= 12
 
 
 @needs_int8
