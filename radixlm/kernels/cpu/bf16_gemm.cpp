@@ -26,7 +26,6 @@
 #include <string.h>
 #include <algorithm>
 #include <type_traits>
-#include <vector>
 
 #include "bf16_gemm_amx.h"
 #include "gemm_tasks.h"
@@ -264,12 +263,10 @@ int radixlm_bf16_linear_argmax(const void* x, int64_t x_stride, int64_t M, int K
 #endif
   if (K % 2 != 0 || N <= 0) return -2;
   if (M <= 0) return 0;
-  const int nt = std::max(1, nthreads);
-  std::vector<radixlm::RowBest> best((size_t)nt * M);
-  radixlm::init_row_best(best.data(), (int64_t)best.size());
-  bf16_linear<uint16_t, false, true>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, nullptr, nullptr,
-                                     0, nt, best.data());
-  radixlm::finish_row_best(best.data(), nt, M, ids);
+  radixlm::argmax_by_rows(M, nthreads, ids, [&](radixlm::RowBest* best, int nt) {
+    bf16_linear<uint16_t, false, true>((const uint16_t*)x, x_stride, M, K, (const uint16_t*)packed, N, nullptr,
+                                       nullptr, 0, nt, best);
+  });
   return 0;
 #else
   (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)N; (void)ids; (void)nthreads;

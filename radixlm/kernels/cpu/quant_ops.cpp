@@ -269,26 +269,14 @@ void micro_tile(const uint8_t* xq, int64_t xs, const float* xscale, int ng, cons
 #undef RADIXLM_SILU
     return;
   }
-  if constexpr (kArgmax) {
-#define RADIXLM_BEST(m, b) \
-  if constexpr (MR > m)    \
-    radixlm::take16(best[m], has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv), mask, col);
-#define RADIXLM_BEST_BLOCK(b)                                                                \
-  if (b * 16 < ncols) {                                                                      \
-    const int left = ncols - b * 16, col = c0 + b * 16;                                      \
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);   \
-    const __m512 wsv = _mm512_loadu_ps(ws + b * 16);                                         \
-    const __m512 bv = has_bias ? load_bias(bias + b * 16, mask) : zf;                        \
-    RADIXLM_BEST(0, b) RADIXLM_BEST(1, b) RADIXLM_BEST(2, b) RADIXLM_BEST(3, b) RADIXLM_BEST(4, b) RADIXLM_BEST(5, b) \
+#define RADIXLM_OUT(m, b)                                                                    \
+  if constexpr (MR > m) {                                                                    \
+    const __m512 v = has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv); \
+    if constexpr (kArgmax)                                                                   \
+      radixlm::take16(best[m], v, mask, c0 + b * 16);                                        \
+    else                                                                                     \
+      store_row(out + m * os + b * 16, mask, v);                                             \
   }
-    RADIXLM_BEST_BLOCK(0) RADIXLM_BEST_BLOCK(1)
-#undef RADIXLM_BEST_BLOCK
-#undef RADIXLM_BEST
-    return;
-  }
-#define RADIXLM_OUT(m, b) \
-  if constexpr (MR > m)   \
-    store_row(out + m * os + b * 16, mask, has_bias ? _mm512_fmadd_ps(f##m##b, wsv, bv) : _mm512_mul_ps(f##m##b, wsv));
 #define RADIXLM_BLOCK(b)                                                                   \
   if (b * 16 < ncols) {                                                                    \
     const int left = ncols - b * 16;                                                       \
@@ -563,16 +551,14 @@ int radixlm_int8_linear_argmax(int x_dtype, const void* x, int64_t x_stride, int
 #ifdef RADIXLM_INT8_GEMM
   if (M <= 0) return 0;
   if (N <= 0) return -2;
-  const int nt = std::max(1, nthreads);
-  std::vector<RowBest> best((size_t)nt * M);
-  radixlm::init_row_best(best.data(), (int64_t)best.size());
-  if (x_dtype == 0)
-    int8_linear<float, float, false, true>((const float*)x, x_stride, M, K, packed, comp, w_scale, N, nullptr,
-                                           nullptr, 0, nt, nullptr, best.data());
-  else
-    int8_linear<uint16_t, float, false, true>((const uint16_t*)x, x_stride, M, K, packed, comp, w_scale, N,
-                                              nullptr, nullptr, 0, nt, nullptr, best.data());
-  radixlm::finish_row_best(best.data(), nt, M, ids);
+  radixlm::argmax_by_rows(M, nthreads, ids, [&](RowBest* best, int nt) {
+    if (x_dtype == 0)
+      int8_linear<float, float, false, true>((const float*)x, x_stride, M, K, packed, comp, w_scale, N, nullptr,
+                                             nullptr, 0, nt, nullptr, best);
+    else
+      int8_linear<uint16_t, float, false, true>((const uint16_t*)x, x_stride, M, K, packed, comp, w_scale, N,
+                                                nullptr, nullptr, 0, nt, nullptr, best);
+  });
   return 0;
 #else
   (void)x_dtype; (void)x; (void)x_stride; (void)M; (void)K; (void)packed; (void)comp; (void)w_scale; (void)N;

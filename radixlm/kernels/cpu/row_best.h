@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -93,6 +94,17 @@ inline void finish_row_best(const RowBest* best, int nt, int64_t M, int64_t* ids
     }
     ids[m] = nan != INT32_MAX ? nan : bi >= 0 ? bi : 0;
   }
+}
+
+// ids [M] from gemm(best, nt): a GEMM whose threads (at most nt) update best [nt][M] (thread
+// t its rows t * M ..) instead of writing an output. The one driver of the argmax entry points.
+template <typename Gemm>
+void argmax_by_rows(int64_t M, int nthreads, int64_t* ids, Gemm&& gemm) {
+  const int nt = std::max(1, nthreads);
+  std::vector<RowBest> best((size_t)nt * M);
+  init_row_best(best.data(), (int64_t)best.size());
+  gemm(best.data(), nt);
+  finish_row_best(best.data(), nt, M, ids);
 }
 
 }  // namespace radixlm
