@@ -7,6 +7,8 @@ also the reference the tests compare against.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from radixlm.kernels.cpu.build import load
@@ -354,6 +356,17 @@ def bf16_gemm_amx() -> bool:
     return lib is not None and lib.radixlm_bf16_gemm_amx() == 1
 
 
+def _bf16_gemm_lib(x: torch.Tensor, panels: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, when the bf16 GEMM takes these rows and panels (bf16_linear and its argmax
+    take the same inputs: the argmax must answer for exactly the GEMM it stands in for)."""
+    lib = load()
+    if lib is None or x.dtype != torch.bfloat16 or not _rows_ok(x):
+        return None
+    if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
+        return None
+    return lib
+
+
 def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
                 out_dtype: torch.dtype, silu: bool = False) -> torch.Tensor | None:
     """x [M, K] bfloat16 (rows contiguous, K even) times a weight packed by bf16_gemm.pack_weight
@@ -361,10 +374,8 @@ def bf16_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tenso
     (float32/bfloat16); bias, if given, bfloat16 [n] (the weight's dtype). silu: a gate_up
     weight in the silu-gated panel order (n = 2I, whole panels) -> silu(gate) * up [M, n / 2]
     (bf16_gemm.cpp bf16_linear_silu). None when unsupported."""
-    lib = load()
-    if lib is None or x.dtype != torch.bfloat16 or out_dtype not in _DTYPE_CODE or not _rows_ok(x):
-        return None
-    if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
+    lib = _bf16_gemm_lib(x, panels)
+    if lib is None or out_dtype not in _DTYPE_CODE:
         return None
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
@@ -381,10 +392,8 @@ def bf16_linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, n_cols: in
     """bf16_linear(x, panels, n, None, bfloat16)[:, :n_cols].argmax(-1) without the output
     (int64 [M]; the first largest, a NaN first, as torch.argmax). None when unsupported (no
     AVX512-BF16, the GEMMs on AMX tiles, inputs bf16_linear would not take)."""
-    lib = load()
-    if lib is None or x.dtype != torch.bfloat16 or not _rows_ok(x) or not 0 < n_cols <= n:
-        return None
-    if panels.dtype != torch.bfloat16 or not panels.is_contiguous() or panels.shape[1] * 2 != x.shape[1]:
+    lib = _bf16_gemm_lib(x, panels)
+    if lib is None or not 0 < n_cols <= n:
         return None
     m, k = x.shape
     ids = torch.empty(m, dtype=torch.int64)
@@ -432,7 +441,7 @@ class Int8Gemm:
     def argmax(self, x: torch.Tensor, n_cols: int) -> torch.Tensor | None:
         """int8_linear(x, no bias, float32).argmax(-1) over the first n_cols output columns,
         without the [M, n] output (torch.argmax's answer: the first largest, a NaN first).
-        x as for __call__. None where the build has no such kernel (AVX2 only)."""
+        x as for __call__. None for a silu-gated weight or outside the columns 1 .. n."""
         if self._argmax_fn is None or not 0 < n_cols <= self.n:
             return None
         m = x.shape[0]
