@@ -173,6 +173,10 @@ class DetokParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_regex: tuple[str, ...] = ()
+    # A non-streamed request: its ids still arrive every step (an abort is answered with all of
+    # them), but its text is decoded once, when it finishes; the front end decodes the ids it
+    # holds itself if it answers the request first (docs/cancel_chain.md).
+    text_at_end: bool = False
 
 
 @dataclass

@@ -83,7 +83,7 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
     if start == 0 and not req.detok_sent:
         sp = req.sampling_params
         out.detok = DetokParams(tuple(sp.stop), sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                                sp.no_stop_trim, tuple(sp.stop_regex))
+                                sp.no_stop_trim, tuple(sp.stop_regex), text_at_end=not req.stream)
         req.detok_sent = True
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]

@@ -32,6 +32,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
 
+    def hold(self, new_ids: list[int]) -> None:
+        """Append tokens without decoding them: the next add decodes them with its own."""
+        if not self.stopped:
+            self.ids.extend(new_ids)
+
     def add(self, new_ids: list[int], finished: bool) -> str:
         """Append tokens; return the newly released text."""
         if self.stopped:
@@ -104,10 +109,14 @@ class IncrementalDetokenizer:
         return self.text[:self.sent]
 
 
-def finalize_text(tokenizer, ids: list[int], stop: list[str], skip_special_tokens: bool = True,
-                  no_stop_trim: bool = False, stop_regex: list[str] | None = None) -> str:
-    """Whole-output decode for non-streaming requests."""
-    det = IncrementalDetokenizer(tokenizer, stop, skip_special_tokens, no_stop_trim,
-                                 stop_regex=list(stop_regex or []))
-    det.add(ids, finished=True)
-    return det.output_text
+def for_params(tokenizer, p) -> IncrementalDetokenizer:
+    """A request's detokenizer from its DetokParams (radixlm.messages)."""
+    return IncrementalDetokenizer(tokenizer, list(p.stop), p.skip_special_tokens, p.no_stop_trim,
+                                  p.spaces_between_special_tokens, list(p.stop_regex))
+
+
+def released_text(tokenizer, p, ids: list[int]) -> str:
+    """The text a streaming detokenizer would have released for `ids` of an unfinished
+    request with DetokParams `p`: all of it but a split UTF-8 character at the end, a tail that
+    may still become a stop string, and whatever follows a stop string."""
+    return for_params(tokenizer, p).add(ids, finished=False)

@@ -12,7 +12,7 @@ import traceback
 from radixlm.config import ServerArgs
 from radixlm.ipc import PortArgs, Receiver, Sender
 from radixlm.messages import BatchTextOut, BatchTokenOut, DetokParams, ReqTextOutput, ShutdownReq
-from radixlm.srt.detokenizer import IncrementalDetokenizer
+from radixlm.srt.detokenizer import IncrementalDetokenizer, for_params
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,8 @@ class DetokenizerManager:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, IncrementalDetokenizer] = {}
+        # rids whose text is decoded only when they finish (DetokParams.text_at_end)
+        self.text_at_end: set[str] = set()
         # requests ended here whose scheduler side has not sent its terminal output yet
         self.failed: set[str] = set()
 
@@ -39,6 +41,7 @@ class DetokenizerManager:
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
                 logger.error("detokenizing %s failed; ending it alone:\n%s", o.rid, traceback.format_exc())
                 self.states.pop(o.rid, None)
+                self.text_at_end.discard(o.rid)
                 if o.finish_reason is None:
                     self.failed.add(o.rid)
                 reason = {"type": "abort", "status_code": 500,
@@ -50,15 +53,23 @@ class DetokenizerManager:
         det = self.states.get(o.rid)
         if det is None:
             p = o.detok or DetokParams()
-            det = IncrementalDetokenizer(self.tokenizer, list(p.stop), p.skip_special_tokens,
-                                         p.no_stop_trim, p.spaces_between_special_tokens,
-                                         list(p.stop_regex))
+            det = for_params(self.tokenizer, p)
             self.states[o.rid] = det
+            if p.text_at_end:
+                self.text_at_end.add(o.rid)
         finished = o.finish_reason is not None
-        # no tokenizer (skip_tokenizer_init): ids pass through, there is no text
-        text = det.add(o.new_token_ids, finished=finished) if self.tokenizer is not None else ""
+        if self.tokenizer is None:  # skip_tokenizer_init: ids pass through, there is no text
+            text = ""
+        elif o.rid in self.text_at_end and not finished:
+            # Nobody reads a non-streamed request's text before its end: decoding it every
+            # step cost ~4% of a 32-request offline batch's throughput on 2 cores.
+            det.hold(o.new_token_ids)
+            text = ""
+        else:
+            text = det.add(o.new_token_ids, finished=finished)
         if finished:
             del self.states[o.rid]
+            self.text_at_end.discard(o.rid)
         return text
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.messages import ReqOutput, ReqTextOutput
+from radixlm.messages import DetokParams, ReqOutput, ReqTextOutput
 
 # An abort that hits nothing is kept this long for a request that has not arrived yet.
 TOMBSTONE_TTL_S = 10.0
@@ -72,6 +72,7 @@ class ReqState:
     input_top_logprobs: list | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    detok: DetokParams | None = None  # from its first output (text_at_end: see _answer_text)
 
     @property
     def finished(self) -> bool:

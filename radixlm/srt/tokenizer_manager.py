@@ -22,6 +22,7 @@ from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, Continu
                               RejectRoomsReq,
                               ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
                               UpdateWeightsFromDiskReq, UpdateWeightsFromDistributedReq, UpdateWeightsFromTensorReq)
+from radixlm.srt.detokenizer import released_text
 from radixlm.srt.generate_request import GenerateItem, normalize_generate
 from radixlm.srt.metrics import RuntimeMetrics
 from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Call, ReqState, RequestTable,
@@ -151,6 +152,8 @@ class TokenizerManager:
         if st is None:
             self.table.drop(o.out)  # answered already (aborted): nothing more is delivered
             return
+        if o.out.detok is not None:
+            st.detok = o.out.detok
         if o.failed:  # ended by the detokenizer: stop its generation too (once: st is done now)
             self.to_scheduler.send(AbortReq(rids=[st.sched_rid], sent_time=time.time()))
         now = time.perf_counter()
@@ -174,8 +177,22 @@ class TokenizerManager:
             return
         st.done = True
         self.table.detach(st)
-        st.pending.append(terminal_output(st, reason))
+        out = terminal_output(st, reason)
+        out.new_text = self._answer_text(st)
+        st.pending.append(out)
         st.call.wake.set()
+
+    def _answer_text(self, st: ReqState) -> str:
+        """Text for the ids `st` received that its outputs did not carry: a non-streamed
+        request's text is decoded only at its end (DetokParams.text_at_end), so when the
+        front end answers first it decodes them here, holding back what a streaming
+        detokenizer would hold back."""
+        if self.tokenizer is None or st.detok is None or not st.detok.text_at_end:
+            return ""
+        if st.text or any(p.new_text for p in st.pending):
+            return ""  # its final text arrived already (a text_at_end request has no other)
+        ids = st.output_ids + [t for p in st.pending for t in p.out.new_token_ids]
+        return released_text(self.tokenizer, st.detok, ids) if ids else ""
 
     def _abort_everything(self, reason: dict, tell_scheduler: bool) -> int:
         return self.abort_request(abort_all=True, reason=reason, tell_scheduler=tell_scheduler)

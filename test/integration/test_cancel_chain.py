@@ -280,6 +280,30 @@ def test_the_caller_is_answered_while_the_scheduler_is_frozen(engine):
     assert_idle_and_empty(engine)
 
 
+def test_a_non_streamed_answer_has_the_text_of_its_ids(engine):
+    """A non-streamed request's text is decoded only at its end (DetokParams.text_at_end), so
+    the front end's own answer decodes the ids it holds: every id received, and its text."""
+    from radixlm.messages import DetokParams
+    from radixlm.srt.detokenizer import released_text
+    pid = engine.procs.procs["scheduler"].pid
+    blocking = Background(gen(engine, "decoded", 53))
+    wait_until(engine, lambda i: i["num_running_reqs"] == 1, "running")
+    time.sleep(0.3)  # some steps' ids reach the front end
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert engine.abort_request("decoded") == 1
+        out = blocking.result()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    ids = out["output_ids"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(ids) >= 2
+    tok = engine.tokenizer_manager.tokenizer
+    assert out["text"] and out["text"] == released_text(tok, DetokParams(), ids)
+    assert tok.decode(ids).startswith(out["text"])
+    wait_until(engine, lambda i: i["front_end"]["draining"] == 0 and i["num_running_reqs"] == 0, "let go")
+    assert_idle_and_empty(engine)
+
+
 def test_an_abort_during_a_forward_takes_back_the_batch_queued_behind_it(engine):
     """Overlap: the scheduler reads its inbox while a forward runs (abort_watch.py), so an abort
     usually lands before the batch queued behind that forward starts; that batch is taken back

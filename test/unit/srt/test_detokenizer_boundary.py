@@ -1,6 +1,7 @@
-"""A request the detokenizer cannot handle is ended alone (issue 18: `skip_special_tokens:
-"no"` raised in the detokenizer, which dropped the whole batch, so co-batched streams never
-got their final chunk)."""
+"""The detokenizer (srt/detokenizer_process.py). A request it cannot handle is ended alone
+(issue 18: `skip_special_tokens: "no"` raised in the detokenizer, which dropped the whole batch,
+so co-batched streams never got their final chunk); a non-streamed request is decoded once, at
+its end."""
 from __future__ import annotations
 
 from radixlm.messages import BatchTokenOut, DetokParams, ReqOutput
@@ -44,3 +45,34 @@ def test_bad_detok_params_fail_that_request_only():
     bad.detok = DetokParams(skip_special_tokens="no")  # type: ignore[arg-type]  (validation stops this upstream)
     got = m.handle(BatchTokenOut([bad, out("y", [2], done=True, first=True)])).outputs
     assert got[0].failed and got[1].new_text == "c" and not got[1].failed
+
+
+def test_a_non_streamed_request_is_decoded_once_at_its_end():
+    """DetokParams.text_at_end: the ids pass every step, the text comes whole with the last
+    output (stop strings trimmed as the streaming path trims them)."""
+    calls: list[list[int]] = []
+
+    class Counting(CharTokenizer):
+        def decode(self, ids, **kw):
+            calls.append(list(ids))
+            return super().decode(ids, **kw)
+
+    m = DetokenizerManager(Counting())
+    first = out("q", [0], first=True)
+    first.detok = DetokParams(stop=("de",), text_at_end=True)
+    streamed = out("s", [0], first=True)
+    got = m.handle(BatchTokenOut([first, streamed])).outputs
+    assert [(o.out.rid, o.new_text, o.out.new_token_ids) for o in got] == [("q", "", [0]), ("s", "a", [0])]
+    decoded_for_s = len(calls)
+    got = m.handle(BatchTokenOut([out("q", [1, 2]), out("q", [3, 4, 5], done=True)])).outputs
+    assert [(o.new_text, o.out.new_token_ids) for o in got] == [("", [1, 2]), ("abc", [3, 4, 5])]
+    assert calls[decoded_for_s:] == [[], [0, 1, 2, 3, 4, 5]]  # one decode of the whole output
+    assert "q" not in m.states and "q" not in m.text_at_end
+
+
+def test_released_text_holds_back_what_a_stream_would():
+    from radixlm.srt.detokenizer import released_text
+    tok = CharTokenizer()
+    assert released_text(tok, DetokParams(), [0, 1, 2]) == "abc"
+    assert released_text(tok, DetokParams(stop=("cd",)), [0, 1, 2]) == "ab"  # "c" may start "cd"
+    assert released_text(tok, DetokParams(stop=("b",)), [0, 1, 2]) == "a"
