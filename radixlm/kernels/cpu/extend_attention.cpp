@@ -44,6 +44,13 @@ constexpr int kRows = 12;
 constexpr int kKeys = 32;
 constexpr int kTiles = kKeys / 16;
 static_assert(kKeys % 32 == 0, "P is rounded to bf16 two tiles at a time");
+// A row tile's keys up to its last 32-key block go in wide blocks of kWideTiles 16-key tiles:
+// each 32 keys' scores are computed in registers as above and kept in L1 until the block's
+// online softmax, which then runs (with its fixed latency, and the P @ V accumulators' loads and
+// stores) once per 128 keys, not per 32. The rest are 32-key blocks, so the causal tail visits
+// no more keys than before. (On a 2k prompt's chunks 2-4% faster; 64 keys gained half of that,
+// 256 no more.)
+constexpr int kWideTiles = 8;
 constexpr int kQTile = 64;   // query tokens per task
 
 // Rows of P @ V sharing each loaded V vector: their D/16 accumulators each, plus D/16 V
@@ -140,8 +147,9 @@ void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_
 }
 
 // acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
-template <int D, int RG>
-inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const float* corr, bool rescale,
+// NP: key pairs in the block (kKeys / 2, or a wide block's).
+template <int D, int RG, int NP = kKeys / 2>
+inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[NP], const float* corr, bool rescale,
                      float (*acc)[D]) {
   constexpr int NC = D / 16;
   __m512 o[RG][NC];
@@ -150,7 +158,7 @@ inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[kKeys / 2], const 
     for (int c16 = 0; c16 < NC; ++c16)
       o[r][c16] = rescale ? _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c16), c) : _mm512_load_ps(acc[r] + 16 * c16);
   }
-  for (int jp = 0; jp < kKeys / 2; ++jp) {
+  for (int jp = 0; jp < NP; ++jp) {
     __m512i v[NC];
     for (int c16 = 0; c16 < NC; ++c16) v[c16] = _mm512_load_si512(vp + jp * D + 32 * c16 / 2);
     for (int r = 0; r < RG; ++r) {
@@ -171,7 +179,8 @@ struct RowsOf {  // one tile of query rows
 };
 using Rows = RowsOf<kRows>;
 
-// The online softmax of one kKeys block for R rows, shared by attend_rows and attend_rows_amx.
+// The online softmax of one block of NT 16-key tiles (a kKeys block, or a wide one) for R rows,
+// shared by attend_rows and attend_rows_amx.
 // s: the block's scores, set to kNoMax in place past each row's kend when the block crosses one
 // (masked); m: the rows' running maxima (16 lanes, those past R 0), corr: where a row's maximum
 // moves, its correction (1 elsewhere); l: the rows' sums of weights; pb[r]: row r's weights
@@ -180,10 +189,11 @@ using Rows = RowsOf<kRows>;
 // Lazy rescaling: a row's running maximum m moves only when a block's maximum passes it by more
 // than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and bf16 alike), and
 // most blocks need no correction of the output and l at all.
-template <int R>
-__attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][kTiles], const int64_t* kend,
+template <int R, int NT = kTiles>
+__attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT], const int64_t* kend,
                                                               int64_t k0, bool masked, float c, float* m, float* corr,
-                                                              __m512* l, uint32_t (*pb)[kKeys / 2]) {
+                                                              __m512* l, uint32_t (*pb)[NT * 8]) {
+  constexpr int kTiles = NT, kKeys = 16 * NT;  // this block's
   const __m512 vc = _mm512_set1_ps(c);
   alignas(64) float bm[16] = {};
   __mmask16 mk[R][kTiles];
@@ -246,9 +256,10 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     kmax = std::max(kmax, rows.kend[r]);
   }
   const float c = scale * 1.44269504088896341f;  // log2(e)
-  for (int64_t k0 = 0; k0 < kmax; k0 += kKeys) {
+  constexpr int RG = pv_rows<D>();
+  static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
+  auto scores = [&](int64_t k0, __m512 (&s)[kRows][kTiles]) __attribute__((always_inline)) {  // keys k0 .. k0 + 31
     const uint32_t* kt = kp + k0 * D / 2;  // kKeys keys of D bf16 (D / 2 words each)
-    __m512 s[kRows][kTiles];
     for (int r = 0; r < kRows; ++r)
       for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_setzero_ps();
     for (int dp = 0; dp < DP; ++dp) {
@@ -259,10 +270,31 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
         for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], kk[t], qq);
       }
     }
+  };
+  constexpr int64_t kWide = 16 * kWideTiles;
+  const int64_t kpad = padded(kmax);  // the packed keys end there (zeros past the request's end)
+  int64_t k0 = 0;
+  {
+    alignas(64) uint32_t pbw[kRows][kWide / 2];
+    for (; k0 + kWide <= kpad; k0 += kWide) {
+      __m512 sw[kRows][kWideTiles];
+      for (int b = 0; b < kWideTiles / kTiles; ++b) {
+        __m512 s[kRows][kTiles];
+        scores(k0 + b * kKeys, s);
+        for (int r = 0; r < kRows; ++r)
+          for (int t = 0; t < kTiles; ++t) sw[r][b * kTiles + t] = s[r][t];
+      }
+      const __mmask16 up = softmax_block<kRows, kWideTiles>(sw, rows.kend, k0, k0 + kWide > kmin, c, m, corr, l, pbw);
+      const uint32_t* vt = vp + k0 * D / 2;
+      for (int r = 0; r < kRows; r += RG)
+        pv_block<D, RG, kWide / 2>(vt, pbw + r, corr + r, (up >> r & ((1u << RG) - 1)) != 0, acc + r);
+    }
+  }
+  for (; k0 < kmax; k0 += kKeys) {
+    __m512 s[kRows][kTiles];
+    scores(k0, s);
     const __mmask16 up = softmax_block<kRows>(s, rows.kend, k0, k0 + kKeys > kmin, c, m, corr, l, pb);
     const uint32_t* vt = vp + k0 * D / 2;
-    constexpr int RG = pv_rows<D>();
-    static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
     for (int r = 0; r < kRows; r += RG)
       pv_block<D, RG>(vt, pb + r, corr + r, (up >> r & ((1u << RG) - 1)) != 0, acc + r);
   }
