@@ -18,6 +18,8 @@ class IncrementalDetokenizer:
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
     stop_regex: list[str] = field(default_factory=list)
+    # a non-streamed request (DetokParams.text_at_end): its manager holds the ids until the end
+    text_at_end: bool = False
 
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded, stable text so far (before stop trimming)
@@ -112,7 +114,7 @@ class IncrementalDetokenizer:
 def for_params(tokenizer, p) -> IncrementalDetokenizer:
     """A request's detokenizer from its DetokParams (radixlm.messages)."""
     return IncrementalDetokenizer(tokenizer, list(p.stop), p.skip_special_tokens, p.no_stop_trim,
-                                  p.spaces_between_special_tokens, list(p.stop_regex))
+                                  p.spaces_between_special_tokens, list(p.stop_regex), p.text_at_end)
 
 
 def released_text(tokenizer, p, ids: list[int]) -> str:

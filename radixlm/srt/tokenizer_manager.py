@@ -184,13 +184,11 @@ class TokenizerManager:
 
     def _answer_text(self, st: ReqState) -> str:
         """Text for the ids `st` received that its outputs did not carry: a non-streamed
-        request's text is decoded only at its end (DetokParams.text_at_end), so when the
-        front end answers first it decodes them here, holding back what a streaming
-        detokenizer would hold back."""
+        request's text is decoded only at its end (DetokParams.text_at_end; st is not done, so
+        no output of it carried text yet), so when the front end answers first it decodes them
+        here, holding back what a streaming detokenizer would hold back."""
         if self.tokenizer is None or st.detok is None or not st.detok.text_at_end:
             return ""
-        if st.text or any(p.new_text for p in st.pending):
-            return ""  # its final text arrived already (a text_at_end request has no other)
         ids = st.output_ids + [t for p in st.pending for t in p.out.new_token_ids]
         return released_text(self.tokenizer, st.detok, ids) if ids else ""
 

@@ -67,7 +67,7 @@ def test_a_non_streamed_request_is_decoded_once_at_its_end():
     got = m.handle(BatchTokenOut([out("q", [1, 2]), out("q", [3, 4, 5], done=True)])).outputs
     assert [(o.new_text, o.out.new_token_ids) for o in got] == [("", [1, 2]), ("abc", [3, 4, 5])]
     assert calls[decoded_for_s:] == [[], [0, 1, 2, 3, 4, 5]]  # one decode of the whole output
-    assert "q" not in m.states and "q" not in m.text_at_end
+    assert "q" not in m.states
 
 
 def test_released_text_holds_back_what_a_stream_would():
