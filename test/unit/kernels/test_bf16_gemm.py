@@ -95,6 +95,35 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(m, k, n):
     assert torch.equal(bf16_gemm.linear(x[1:], packed, None), full[1:])  # whole tiles read in place
 
 
+@pytest.mark.parametrize("m", [97, 100, 150, 193, 289, 1000])
+def test_every_thread_count_writes_every_output_once_the_same(m: int):
+    """Several 96-row blocks are shared between the threads by micro-tile (gemm_tasks.h
+    run_row_share), a block and a panel often split between two threads: with 1-5 threads
+    (more than the cores is fine), every output of a NaN-filled buffer is written, and its bits
+    are the one-thread result's."""
+    k, n = 64, 200  # 4 panels, the last a partial one
+    if ops.bf16_gemm_amx():
+        pytest.skip("the AMX path has its own task split (bf16_gemm_amx.h)")
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    packed = bf16_gemm.pack_weight(w).panels
+    x = torch.randn(m, k, generator=g).bfloat16()
+    lib = ops.load()
+
+    def run(threads: int) -> torch.Tensor:
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+        assert lib.radixlm_bf16_linear(x.data_ptr(), k, m, k, packed.data_ptr(), n, None, 1, out.data_ptr(), n,
+                                       threads) == 0
+        return out
+
+    one = run(1)
+    assert not one.isnan().any()
+    torch.testing.assert_close(one.float(), F.linear(x.float(), w.float()), atol=0.05, rtol=8e-3)
+    for threads in (2, 3, 4, 5):
+        got = run(threads)
+        assert not got.isnan().any() and torch.equal(got, one), threads
+
+
 def test_amx_serves_where_the_cpu_has_it_unless_turned_off(bf16_kernel_isa: str):
     """One path per process: the native build takes the tiles on an AMX CPU; RADIXLM_BF16_AMX=0
     (read once, at the first GEMM) keeps AVX512-BF16; the avx512 build never has them."""
