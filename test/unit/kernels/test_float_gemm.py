@@ -59,6 +59,31 @@ def test_pack_weight_layout():
     assert (p[1, :, 4:] == 0).all()  # padding columns
 
 
+@pytest.mark.parametrize("m", [193, 200, 385, 1000])
+def test_every_thread_count_writes_every_output_once_the_same(m: int):
+    """Several 192-row blocks are shared between the threads by micro-tile (gemm_tasks.h
+    run_row_share): with 1-5 threads every output of a NaN-filled buffer is written, and its
+    bits are the one-thread result's."""
+    k, n = 40, 72  # 5 panels of 16, the last a partial one
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(n, k, generator=g)
+    panels = float_gemm.pack_weight(w).panels
+    x = torch.randn(m, k, generator=g)
+    lib = ops.load()
+
+    def run(threads: int) -> torch.Tensor:
+        out = torch.full((m, n), float("nan"))
+        assert lib.radixlm_float_linear(0, x.data_ptr(), k, m, k, 0, panels.data_ptr(), n, 0, None, out.data_ptr(),
+                                        n, threads) == 0
+        return out
+
+    one = run(1)
+    torch.testing.assert_close(one, F.linear(x, w), atol=1e-4, rtol=1e-5)
+    for threads in (2, 3, 4, 5):
+        got = run(threads)
+        assert not got.isnan().any() and torch.equal(got, one), threads
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(dtype: torch.dtype):
     # What speculative verification needs: an extend of K rows gives K decode rows bit for bit.
