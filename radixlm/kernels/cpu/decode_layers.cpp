@@ -1,20 +1,25 @@
-// The decoder layers of a decode-style forward (a decode step or short extends: one attention row
-// per token; Llama-shaped: pre-norm attention and gated MLP with the residual add fused into the
-// next norm) as one call from Python.
+// The decoder layers of a forward (Llama-shaped: pre-norm attention and gated MLP with the
+// residual add fused into the next norm) as one call from Python: a decode step or short extends
+// (one decode-kernel attention row per token), or long extends on the prefill kernel
+// (extend_attention.cpp, Step.q_indptr set), whose last layer may run only for the rows that
+// become logits (Step.rows).
 //
 // Why: the model's Python code calls ~12 native ops per layer, and each call costs 5-11 us of
 // Python (argument checks, torch.empty for the output, ctypes' conversion of 10-18 arguments)
 // while the second core waits. At the default model's 30 layers that was ~4 ms of a 9 ms
 // batch-1 step and ~3 ms of a 24 ms batch-32 step (w8a8, measured with a same-depth model of
-// hidden size 64, whose kernels take next to nothing). Here the same kernels run in the same
-// order with the same arguments, so the result is bit for bit the Python path's
-// (radixlm/srt/models/llama.py, LlamaDecoderLayer.forward): only the calls between them are gone.
+// hidden size 64, whose kernels take next to nothing), and ~3-6% of a 2k prompt's prefill. Here
+// the same kernels run in the same order with the same arguments, so the result is bit for bit
+// the Python path's (radixlm/srt/models/llama.py, LlamaDecoderLayer.forward, and the attention
+// backend's forward / forward_rows): only the calls between them are gone.
 // Two are merged: an int8 linear after a norm does the norm's rows in its own parallel region
 // (int8_linear_norm), with the same row function as add_rmsnorm, so the bits stay the same.
 //
 // Contract (radixlm/kernels/cpu/decode_layers.py builds the tables):
-//   residual [B, H] (model dtype) holds the embeddings on entry and the residual stream on exit;
-//   out [B, H] receives norm(last layer's output + residual) with final_norm's weight.
+//   residual [B, H] (model dtype) holds the embeddings on entry and the residual stream on exit
+//   (up to the last layer's attention when Step.rows is set);
+//   out [B, H] (or [num_rows, H] with Step.rows) receives norm(last layer's output + residual)
+//   with final_norm's weight.
 // Intermediate activations live in per-thread scratch that only grows.
 
 #include <stdint.h>
@@ -41,6 +46,11 @@ int radixlm_decode_attention_int8(int dtype, const void* q, int64_t q_stride, co
                                   const float* ks, const float* vs, const int64_t* indptr, const int64_t* indices,
                                   void* out, int64_t out_stride, float* lse, int B, int Hq, int Hkv, int D,
                                   float scale, int nthreads);
+int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
+                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr,
+                                  const int64_t* kv_indptr, const int64_t* kv_indices, void* out,
+                                  int64_t out_stride, int B, int Hq, int Hkv, int D, float scale, int64_t pack_budget,
+                                  int nthreads);
 int radixlm_int8_linear(int x_dtype, const void* x, int64_t x_stride, int64_t M, int K, const int8_t* packed,
                         const int32_t* comp, const float* w_scale, int N, int out_dtype, const void* bias,
                         void* out, int64_t out_stride, int nthreads);
@@ -94,8 +104,19 @@ struct Step {
   const float* cos;
   const float* sin;
   const int64_t* out_loc;
-  const int64_t* kv_indptr;
+  const int64_t* kv_indptr;   // decode-style: one CSR row of keys per token; extend: per request
   const int64_t* kv_indices;
+  // Long extends on the prefill kernel (null: decode-style rows): request b's new tokens are
+  // rows q_indptr[b] .. q_indptr[b + 1], of num_reqs requests; pack_budget as the kernel takes it.
+  const int64_t* q_indptr;
+  int64_t num_reqs, pack_budget;
+  // With q_indptr and rows_indptr: the last layer attends, projects and runs its MLP only for
+  // these num_rows token rows (possibly none), each request's last rows_indptr[b + 1] -
+  // rows_indptr[b] tokens in order (what the attention backend's forward_rows takes);
+  // rows_indptr null: every row.
+  const int64_t* rows;
+  int64_t num_rows;
+  const int64_t* rows_indptr;
 };
 
 int run_linear(const Linear& L, int dtype, const void* x, int64_t M, void* out, int nt) {
@@ -146,22 +167,29 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
   const int64_t I = s->intermediate, nqkv = (Hq + 2 * Hkv) * D;
   const float eps = (float)s->eps, scale = (float)s->scale;
   const int64_t es = c == 0 ? 4 : 2;
+  const bool extend = s->q_indptr != nullptr, some_rows = extend && s->rows_indptr != nullptr;
+  const int64_t R = some_rows ? s->num_rows : B;  // rows the last layer continues with
   if (B <= 0) return 0;
   static thread_local std::vector<char> scratch;
-  // normed input, qkv, attention output, a layer half's output (o or down), gate_up, SiLU*mul
-  const int64_t sizes[6] = {B * H, B * nqkv, B * Hq * D, B * H, B * 2 * I, B * I};
+  // normed input, qkv, attention output, a layer half's output (o or down), gate_up, SiLU*mul;
+  // with rows, the last layer's selected queries and residual rows
+  const int64_t sizes[8] = {B * H, B * nqkv, B * Hq * D, B * H, B * 2 * I, B * I, some_rows ? R * Hq * D : 0,
+                            some_rows ? R * H : 0};
   int64_t total = 0;
   for (int64_t n : sizes) total += (n * es + 63) / 64 * 64;
   if ((int64_t)scratch.size() < total + 64) scratch.resize(total + 64);
   char* p = (char*)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
-  char* buf[6];
-  for (int i = 0; i < 6; ++i) {
+  char* buf[8];
+  for (int i = 0; i < 8; ++i) {
     buf[i] = p;
     p += (sizes[i] * es + 63) / 64 * 64;
   }
   char *xn = buf[0], *qkv = buf[1], *attn = buf[2], *half = buf[3], *gu = buf[4], *act = buf[5];
+  char *q_rows = buf[6], *res_rows = buf[7];
   char* const k = qkv + Hq * D * es;
   char* const v = qkv + (Hq + Hkv) * D * es;
+  char* res = (char*)residual;  // the residual stream of the rows still computed
+  int64_t n = B;
   for (int64_t l = 0; l < num_layers; ++l) {
     const Layer& L = layers[l];
     // Layer 0 normalises the embeddings, which stay as the residual stream; later layers add
@@ -171,29 +199,46 @@ int radixlm_decode_layers(const Step* s, const Layer* layers, int64_t num_layers
       return fail(l, 2);
     if (radixlm_rope_inplace(c, qkv, B, nqkv, (int)(Hq + Hkv), (int)D, s->positions, s->cos, s->sin, nt))
       return fail(l, 3);
-    if (L.k_scale != nullptr) {
+    if (L.k_scale != nullptr)
       radixlm_store_kv_int8(c, k, nqkv, v, nqkv, (int8_t*)L.k_buf, (int8_t*)L.v_buf, L.k_scale, L.v_scale,
                             s->out_loc, B, (int)Hkv, (int)D, nt);
+    else
+      radixlm_store_kv(c, k, nqkv, v, nqkv, L.k_buf, L.v_buf, s->out_loc, B, Hkv * D);
+    if (extend) {
+      const void* q = qkv;
+      int64_t q_stride = nqkv;
+      const int64_t* q_indptr = s->q_indptr;
+      if (some_rows && l == num_layers - 1) {  // every token's K/V is stored: the rest only for rows
+        if (R == 0) return 0;
+        for (int64_t i = 0; i < R; ++i) {
+          memcpy(q_rows + i * Hq * D * es, qkv + s->rows[i] * nqkv * es, (size_t)(Hq * D * es));
+          memcpy(res_rows + i * H * es, res + s->rows[i] * H * es, (size_t)(H * es));
+        }
+        q = q_rows, q_stride = Hq * D, q_indptr = s->rows_indptr, res = res_rows, n = R;
+      }
+      if (radixlm_extend_attention_bf16(q, q_stride, L.k_buf, L.v_buf, L.k_scale, L.v_scale, q_indptr,
+                                        s->kv_indptr, s->kv_indices, attn, Hq * D, (int)s->num_reqs, (int)Hq,
+                                        (int)Hkv, (int)D, scale, s->pack_budget, nt))
+        return fail(l, 4);
+    } else if (L.k_scale != nullptr) {
       if (radixlm_decode_attention_int8(c, qkv, nqkv, (const int8_t*)L.k_buf, (const int8_t*)L.v_buf, L.k_scale,
                                         L.v_scale, s->kv_indptr, s->kv_indices, attn, Hq * D, nullptr, (int)B,
                                         (int)Hq, (int)Hkv, (int)D, scale, nt))
         return fail(l, 4);
-    } else {
-      radixlm_store_kv(c, k, nqkv, v, nqkv, L.k_buf, L.v_buf, s->out_loc, B, Hkv * D);
-      if (radixlm_decode_attention(c, qkv, nqkv, L.k_buf, L.v_buf, s->kv_indptr, s->kv_indices, attn, Hq * D,
-                                   nullptr, (int)B, (int)Hq, (int)Hkv, (int)D, scale, nt))
-        return fail(l, 4);
+    } else if (radixlm_decode_attention(c, qkv, nqkv, L.k_buf, L.v_buf, s->kv_indptr, s->kv_indices, attn, Hq * D,
+                                        nullptr, (int)B, (int)Hq, (int)Hkv, (int)D, scale, nt)) {
+      return fail(l, 4);
     }
-    if (run_linear(L.o, c, attn, B, half, nt)) return fail(l, 5);
+    if (run_linear(L.o, c, attn, n, half, nt)) return fail(l, 5);
     // A silu-gated gate_up writes silu(gate) * up straight into act.
     const bool fused_silu = gives_silu(L.gate_up);
-    if (norm_then_linear(L.gate_up, c, half, residual, L.post_norm, eps, xn, B, H, fused_silu ? act : gu, nt))
+    if (norm_then_linear(L.gate_up, c, half, res, L.post_norm, eps, xn, n, H, fused_silu ? act : gu, nt))
       return fail(l, 7);
-    if (!fused_silu) radixlm_silu_mul(c, gu, act, B, (int)I, nt);
-    if (run_linear(L.down, c, act, B, half, nt)) return fail(l, 8);
+    if (!fused_silu) radixlm_silu_mul(c, gu, act, n, (int)I, nt);
+    if (run_linear(L.down, c, act, n, half, nt)) return fail(l, 8);
   }
   if (num_layers == 0) return radixlm_add_rmsnorm(c, residual, H, nullptr, final_norm, out, B, (int)H, eps, nt);
-  return radixlm_add_rmsnorm(c, half, H, residual, final_norm, out, B, (int)H, eps, nt) ? fail(num_layers, 9) : 0;
+  return radixlm_add_rmsnorm(c, half, H, res, final_norm, out, n, (int)H, eps, nt) ? fail(num_layers, 9) : 0;
 }
 
 }  // extern "C"

@@ -1,4 +1,4 @@
-"""The decoder layers of a decode-style forward (a decode step, or short extends) as one native call (decode_layers.cpp).
+"""The decoder layers of a forward (a decode step, short extends, or long extends on the prefill kernel) as one native call (decode_layers.cpp).
 
 The caller (radixlm/srt/models/fused_decode.py) describes each layer once, by the tensors its
 kernels read, as a `LayerSpec`; `DecodeLayers` keeps those tensors alive, holds the table of
@@ -36,7 +36,9 @@ class _Step(ctypes.Structure):
                 ("intermediate", ctypes.c_int64), ("nthreads", ctypes.c_int64), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("positions", ctypes.c_void_p), ("cos", ctypes.c_void_p),
                 ("sin", ctypes.c_void_p), ("out_loc", ctypes.c_void_p), ("kv_indptr", ctypes.c_void_p),
-                ("kv_indices", ctypes.c_void_p)]
+                ("kv_indices", ctypes.c_void_p), ("q_indptr", ctypes.c_void_p), ("num_reqs", ctypes.c_int64),
+                ("pack_budget", ctypes.c_int64), ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64),
+                ("rows_indptr", ctypes.c_void_p)]
 
 
 @dataclass
@@ -66,6 +68,17 @@ class LayerSpec:
     v_buf: torch.Tensor
     k_scale: torch.Tensor | None = None  # an int8 pool's scales; None for a pool of the model dtype
     v_scale: torch.Tensor | None = None
+
+
+@dataclass
+class ExtendRows:
+    """Long extends on the prefill kernel: q_indptr (int64 [requests + 1]) over the new tokens,
+    the kernel's pack budget; rows (int64, each request's last rows_indptr[b + 1] -
+    rows_indptr[b] tokens, in order), when the last layer runs only for them, else None."""
+    q_indptr: torch.Tensor
+    pack_budget: int
+    rows: torch.Tensor | None = None
+    rows_indptr: torch.Tensor | None = None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -101,16 +114,29 @@ class DecodeLayers:
         self.num_layers = len(layers)
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            out_loc: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor) -> torch.Tensor:
+            out_loc: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            extend: ExtendRows | None = None) -> torch.Tensor:
         """residual [B, H] (contiguous, the model dtype): the embeddings in, the residual
-        stream out; returns the final norm's output [B, H]. The index tensors are int64 and
-        contiguous, cos/sin float32 [positions, D/2] (the caller checks)."""
+        stream out; returns the final norm's output [B, H], or with `extend.rows` [len(rows), H].
+        Decode-style attention (one CSR row of keys per token) without `extend`; the prefill
+        kernel over each request's keys with it. The index tensors are int64 and contiguous,
+        cos/sin float32 [positions, D/2] (the caller checks)."""
         b = residual.shape[0]
-        out = torch.empty_like(residual)
         st = self._step
         st.dtype, st.batch, st.nthreads = _DTYPE_CODE[residual.dtype], b, torch.get_num_threads()
         st.positions, st.cos, st.sin = positions.data_ptr(), cos.data_ptr(), sin.data_ptr()
         st.out_loc, st.kv_indptr, st.kv_indices = out_loc.data_ptr(), kv_indptr.data_ptr(), kv_indices.data_ptr()
+        st.q_indptr, st.num_reqs, st.pack_budget = None, 0, 0
+        st.rows, st.num_rows, st.rows_indptr = None, 0, None
+        out_rows = b
+        if extend is not None:
+            st.q_indptr, st.num_reqs, st.pack_budget = (extend.q_indptr.data_ptr(), extend.q_indptr.numel() - 1,
+                                                        extend.pack_budget)
+            if extend.rows is not None and self.num_layers > 0:
+                st.rows, st.num_rows, st.rows_indptr = (extend.rows.data_ptr(), extend.rows.numel(),
+                                                        extend.rows_indptr.data_ptr())
+                out_rows = extend.rows.numel()
+        out = torch.empty((out_rows, residual.shape[1]), dtype=residual.dtype)
         rc = self._fn(ctypes.addressof(st), ctypes.addressof(self._table), self.num_layers, residual.data_ptr(),
                       self._final_norm, out.data_ptr())
         if rc != 0:

@@ -1,6 +1,7 @@
-"""The decoder layers of a forward whose attention is decode-style rows (a decode step, or a
-batch of short extends: every new token one row over its causal keys) as one native call
-(kernels/cpu/decode_layers.cpp).
+"""The decoder layers of a forward as one native call (kernels/cpu/decode_layers.cpp) where its
+attention is decode-style rows (a decode step, or a batch of short extends: every new token one
+row over its causal keys) or the prefill kernel (long extends), the last layer then only for the
+rows that become logits, as the Python layers do it.
 
 The Python layers (llama.py) call ~12 native kernels per layer, each behind 5-11 us of Python;
 over 30 layers that was ~4 ms of a 9 ms batch-1 decode step of the default model in w8a8.
@@ -13,7 +14,10 @@ and the model takes its Python layers:
   (w8a8_int8), radixlm's bf16 panels or its float panels (not oneDNN's prepacked copy, not
   F.linear), a bias of the model dtype;
 - the attention backend's plain decode kernel (`CpuNativeAttention.decode_rows`: no shared
-  prefix), native RoPE tables, one norm epsilon for all norms.
+  prefix) or its prefill kernel (`extend_rows`; with rows, those `forward_rows` gives it),
+  native RoPE tables, one norm epsilon for all norms.
+On a 2k prompt the Python between the kernels was ~3-6% of the prefill (docs/roofline.md,
+session 33).
 The pointer table is rebuilt when a Linear drops its packed copies (a weight update, a change of
 quantization: `Linear.generation`) or the KV pool's buffers change (release / allocate).
 RADIXLM_FUSED_DECODE=0 turns it off.
@@ -80,21 +84,39 @@ class FusedDecode:
         self._pool_snapshot: tuple[tuple, ...] = ()
         self._ineligible_generation: int | None = None  # static check failed at this generation
 
-    def forward(self, fb: ForwardBatch, attn, hidden: torch.Tensor, rope: BatchRope) -> torch.Tensor | None:
-        """The final-normed hidden states of every token of the batch, or None (the caller runs
-        its Python layers). `hidden` holds the embeddings and is used as the residual stream, as
-        there. Long extends (the prefill kernel) are not taken: their time is in the kernels."""
+    def forward(self, fb: ForwardBatch, attn, hidden: torch.Tensor, rope: BatchRope,
+                rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The final-normed hidden states of every token of the batch (of `rows` only, when
+        given, as LlamaForCausalLM.forward), or None (the caller runs its Python layers).
+        `hidden` holds the embeddings and is used as the residual stream, as there."""
         if not isinstance(attn, CpuNativeAttention):
             return None
         if not envs.fused_decode_enabled() or self._ineligible_generation == Linear.generation:
             return None
-        rows = attn.decode_rows(fb)
-        if rows is None or not self._step_ok(fb, hidden, rope):
+        decode = attn.decode_rows(fb)
+        extend = attn.extend_rows(fb) if decode is None else None
+        if (decode is None and extend is None) or not self._step_ok(fb, hidden, rope):
             return None
+        spec = None
+        if extend is not None:
+            q_indptr, kv_indptr, kv_indices = extend
+            # The last layer for `rows` alone, as forward_rows does it; rows it would take
+            # elsewhere (not each request's last tokens) leave the forward to the Python layers.
+            rows_indptr = None if rows is None else attn.rows_indptr(fb, rows)
+            if rows is not None and rows_indptr is None:
+                return None
+            spec = native.ExtendRows(q_indptr, cpu_ops.EXTEND_PACK_BUDGET, rows, rows_indptr)
         table = self._current_table(attn)
         if table is None:
             return None
-        return table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, *rows)
+        if spec is not None:
+            if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+                return None
+            out = table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, kv_indptr, kv_indices,
+                            spec)
+            return out if rows is None or table.num_layers > 0 else out.index_select(0, rows)
+        out = table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, *decode)
+        return out if rows is None else out.index_select(0, rows)
 
     def _step_ok(self, fb: ForwardBatch, hidden: torch.Tensor, rope: BatchRope) -> bool:
         loc, pos = fb.out_cache_loc, rope.positions

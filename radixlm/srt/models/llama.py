@@ -174,9 +174,9 @@ class LlamaForCausalLM(nn.Module):
         max_len = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else None
         # Rope tables for this batch's positions, built once and shared by all layers.
         rope = BatchRope.build(self.rotary, fb.positions, hidden.dtype, max_len)
-        fused = self._fused_decode.forward(fb, attn, hidden, rope)  # None: not a step it takes
+        fused = self._fused_decode.forward(fb, attn, hidden, rope, rows)  # None: not a step it takes
         if fused is not None:
-            return fused if rows is None else fused.index_select(0, rows)
+            return fused
         residual: torch.Tensor | None = None
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):

@@ -1,8 +1,10 @@
-"""Decoder layers as one native call (models/fused_decode.py: decode steps and short extends)
+"""Decoder layers as one native call (models/fused_decode.py: decode steps, short extends, and
+long extends on the prefill kernel, the last layer then for the logits rows alone)
 against the Python layers it replaces: the same hidden states and the same KV writes, bit for
 bit, in every dtype, quantization and KV cache dtype it takes; rebuilt after a weight update and
 after the KV pool is released and allocated again; declined where the Python layers do something
-else (a shared prefix's cascade attention, a long extend's prefill kernel)."""
+else (a shared prefix's cascade attention, a long extend on SDPA, rows forward_rows takes through
+torch)."""
 from __future__ import annotations
 
 import pytest
@@ -51,13 +53,16 @@ class Setup:
         self.table = torch.arange(1, 4 * 128 + 1).view(4, 128)
         self.gen = torch.Generator().manual_seed(0)
 
-    def forward(self, mode: ForwardMode, rows: list[int], prefix: list[int], ext: list[int]) -> tuple:
+    def forward(self, mode: ForwardMode, rows: list[int], prefix: list[int], ext: list[int],
+                out_rows: list[int] | None = None) -> tuple:
+        """out_rows: the token rows whose outputs the model gives (all without)."""
         ids = torch.randint(5, self.cfg.vocab_size, (sum(ext),), generator=self.gen).tolist()
         loc = torch.cat([self.table[r, p:p + e] for r, p, e in zip(rows, prefix, ext)])
         fb = ForwardBatch.build(mode, ids, loc, rows, prefix, ext, self.table)
         self.attn.init_forward_metadata(fb)
+        sel = None if out_rows is None else torch.tensor(out_rows, dtype=torch.int64)
         with torch.inference_mode():
-            return fb, self.model.forward(fb, self.attn)
+            return fb, self.model.forward(fb, self.attn, sel)
 
     def kv(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.pool.slot_buffers()]
@@ -81,22 +86,23 @@ def _skip_unless_native_linears(s: Setup) -> None:
             pytest.skip("this CPU multiplies some linear outside radixlm's native GEMMs")
 
 
-def _decode_both_ways(s: Setup, monkeypatch, ran: list[int], rows, prefix, ext=None) -> bool:
-    """One forward (a decode step, or extends of `ext` tokens) run fused, then again through the
-    Python layers over the same KV state (it writes the same rows either way): equal outputs and
-    KV. Whether the fused path ran."""
+def _decode_both_ways(s: Setup, monkeypatch, ran: list[int], rows, prefix, ext=None, out_rows=None) -> bool:
+    """One forward (a decode step, or extends of `ext` tokens; the outputs of `out_rows` only,
+    when given) run fused, then again through the Python layers over the same KV state (it
+    writes the same rows either way): equal outputs and KV. Whether the fused path ran."""
     mode = ForwardMode.DECODE if ext is None else ForwardMode.EXTEND
     ext = ext or [1] * len(rows)
     before = ran[0]
     monkeypatch.setenv("RADIXLM_FUSED_DECODE", "1")
     gen_state = s.gen.get_state()
-    _, fused = s.forward(mode, rows, prefix, ext)
+    _, fused = s.forward(mode, rows, prefix, ext, out_rows)
     kv_fused = s.kv()
     took = ran[0] > before
     monkeypatch.setenv("RADIXLM_FUSED_DECODE", "0")
     s.gen.set_state(gen_state)
-    _, plain = s.forward(mode, rows, prefix, ext)
+    _, plain = s.forward(mode, rows, prefix, ext, out_rows)
     assert ran[0] == before + took  # the switch is honoured
+    assert fused.shape[0] == (sum(ext) if out_rows is None else len(out_rows))
     assert torch.equal(fused, plain)
     for a, b in zip(kv_fused, s.kv()):
         assert torch.equal(a, b)
@@ -111,6 +117,7 @@ CASES = [  # model fixture, dtype, quantization, KV cache dtype
     ("head64_llama_dir", torch.bfloat16, "w8a8_int8", "int8"),
     ("head64_llama_dir", torch.float32, "w8a8_int8", "int8"),
     ("head64_llama_dir", torch.bfloat16, None, "int8"),
+    ("head64_llama_dir", torch.bfloat16, None, "auto"),  # the default bf16 path: the prefill kernel on a bf16 pool
 ]
 
 
@@ -135,9 +142,19 @@ def test_fused_decode_matches_python_layers(request, monkeypatch, fixture, dtype
     assert _decode_both_ways(s, monkeypatch, ran, [3], [0], [5])
     assert _decode_both_ways(s, monkeypatch, ran, [2, 3, 0], [18, 5, 31])  # ragged, reordered
     assert _decode_both_ways(s, monkeypatch, ran, [1], [10])  # batch 1
-    # A long extend (past SHORT_EXTEND) takes the prefill kernel or SDPA: never fused.
-    assert not _decode_both_ways(s, monkeypatch, ran, [1], [11], [80])
+    # A long extend (past SHORT_EXTEND) is fused where it takes the prefill kernel (bf16 on
+    # AVX512-BF16), not where it takes SDPA.
+    prefill_kernel = s.attn.native_extend
+    assert _decode_both_ways(s, monkeypatch, ran, [1], [11], [80]) == prefill_kernel
     assert _decode_both_ways(s, monkeypatch, ran, [1], [91])
+    # Several requests, with and without a cached prefix; the last layer for each request's last
+    # token(s) only, or for none of them (a chunk that samples nothing).
+    assert _decode_both_ways(s, monkeypatch, ran, [0, 2, 3], [5, 0, 40], [70, 100, 66]) == prefill_kernel
+    assert _decode_both_ways(s, monkeypatch, ran, [0, 2], [0, 10], [90, 70], [89, 159]) == prefill_kernel
+    assert _decode_both_ways(s, monkeypatch, ran, [0, 2], [0, 10], [90, 70], [88, 89, 159]) == prefill_kernel
+    assert _decode_both_ways(s, monkeypatch, ran, [3, 1], [0, 0], [65, 120], []) == prefill_kernel
+    # Rows forward_rows takes through its torch path (not each request's last tokens): not fused.
+    assert not _decode_both_ways(s, monkeypatch, ran, [0, 2], [0, 10], [90, 70], [0, 159])
 
 
 def test_fused_decode_declines_a_shared_prefix(tiny_llama_dir, monkeypatch):

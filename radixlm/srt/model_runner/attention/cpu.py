@@ -113,6 +113,22 @@ class CpuNativeAttention(TorchNativeAttention):
             return None
         return meta.kv_indptr, meta.kv_indices
 
+    def extend_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q_indptr, kv_indptr, kv_indices) when this forward's attention is the prefill kernel
+        over each request's keys, as forward() runs it, else None (models/fused_decode.py)."""
+        meta = fb.attn_metadata
+        if not isinstance(meta, _NativeExtend):
+            return None
+        return meta.q_indptr, meta.kv_indptr, meta.kv_indices
+
+    def rows_indptr(self, fb: ForwardBatch, rows: torch.Tensor) -> torch.Tensor | None:
+        """The q_indptr forward_rows gives the prefill kernel for `rows` (each request's last
+        tokens, in order), or None where forward_rows takes another path."""
+        if not isinstance(fb.attn_metadata, _NativeExtend):
+            return None
+        counts = _trailing_counts(rows.tolist(), fb.extend_seq_lens_cpu)
+        return None if counts is None else build_indptr(torch.tensor(counts, dtype=torch.int64), torch.int64)
+
     def _init_short_extend(self, fb: ForwardBatch) -> bool:
         """Token t of a request at position pos attends to its first pos + 1 slots: one CSR
         row per new token. False (torch_native's path) for long extends."""
@@ -154,12 +170,11 @@ class CpuNativeAttention(TorchNativeAttention):
         needs), only their queries are attended: the kernel takes them as the requests' new
         tokens, each seeing its own causal keys."""
         meta = fb.attn_metadata
-        counts = _trailing_counts(rows.tolist(), fb.extend_seq_lens_cpu) if isinstance(meta, _NativeExtend) else None
-        if counts is None:
+        q_indptr = self.rows_indptr(fb, rows)
+        if q_indptr is None:
             return super().forward_rows(q, k, v, layer_id, fb, scale, rows)
         self._store(layer_id, k, v, fb.out_cache_loc)
-        own = _NativeExtend(build_indptr(torch.tensor(counts, dtype=torch.int64), torch.int64), meta.kv_indptr,
-                            meta.kv_indices)
+        own = _NativeExtend(q_indptr, meta.kv_indptr, meta.kv_indices)
         return self._extend_native(q.index_select(0, rows), layer_id, own, scale)
 
     def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
