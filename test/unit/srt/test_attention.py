@@ -108,8 +108,9 @@ def test_bfloat16_pool(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_over_a_shared_radix_prefix(backend, dtype):
-    """Requests whose first 100 slots are the same (a radix-shared prefix): the cascade
-    path (prefix by GEMM, suffixes separately, merged) equals plain attention."""
+    """Requests whose first 100 slots are the same (a radix-shared prefix): torch_native's
+    cascade (prefix by GEMM, suffixes separately, merged) and the cpu backend's kernel over
+    every request's whole row (no cascade: slower there) equal plain attention."""
     w = _World(dtype, backend)
     w.step(ForwardMode.EXTEND, [0], [100], dtype=dtype)
     for r in (1, 2, 3):  # later requests reuse row 0's prefix slots, as a radix hit does
@@ -119,7 +120,8 @@ def test_decode_over_a_shared_radix_prefix(backend, dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for _ in range(2):
         out, ref, _, _ = w.step(ForwardMode.DECODE, [3, 0, 2, 1], [1] * 4, dtype=dtype)
-        assert w.last_fb.attn_metadata.shared_index.numel() == 100
+        shared_index = getattr(w.last_fb.attn_metadata, "shared_index", None)
+        assert (shared_index is None) if backend == "cpu" else shared_index.numel() == 100
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 

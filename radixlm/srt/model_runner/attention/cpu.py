@@ -4,10 +4,12 @@ when the kernels build.
 DECODE: one C call per layer over CSR indices built once per forward (kv_indptr /
 kv_indices from the request-to-token table): no gather of K/V into padded blocks, no
 padding work, no block-diagonal FLOPs (see torch_native's _decode_group for what that
-replaces), each request's keys read straight from the pool. When the whole batch shares
-a long radix prefix (system prompt, n > 1 samples), that prefix is still attended to
-with one dense GEMM per KV head over all query rows (torch, cascade style) and the
-per-request suffixes by the kernel; the two halves are merged exactly by log-sum-exp.
+replaces), each request's keys read straight from the pool. A radix prefix shared by the
+whole batch (system prompt, n > 1 samples) is read by the kernel in every request's row too:
+a cascade (the prefix by one torch GEMM per KV head over all query rows, merged with the
+kernel's suffixes by log-sum-exp; torch_native still does it) measured 1.4-1.7x slower per
+decode step at batch 32-128 with 200- to 4,000-token shared prefixes, and kept the step off
+the fused layers (docs/roofline.md, session 33).
 
 EXTEND: when every request extends by a few tokens (<= SHORT_EXTEND: chat turns, short
 prompts, a batch of small prefills), each new token is a decode-style row over its causal
@@ -41,7 +43,6 @@ from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 class _NativeDecode:
     kv_indptr: torch.Tensor  # int64 [B + 1]
     kv_indices: torch.Tensor  # int64 [sum of key counts]
-    shared_index: torch.Tensor | None = None  # [P] slots every request starts with (keys above exclude them)
 
 
 @dataclass
@@ -82,16 +83,7 @@ class CpuNativeAttention(TorchNativeAttention):
                 super().init_forward_metadata(fb)
             return
         lens = fb.seq_lens_cpu
-        shared = self._shared_prefix_len(fb, min(lens) - 1)
         rows = fb.req_pool_indices
-        if shared:
-            # Keys after the shared prefix: shift each row's start by `shared`.
-            table = fb.req_to_token[:, shared:]
-            suffix = torch.tensor([n - shared for n in lens], dtype=torch.int64)
-            indices = build_kv_indices(table, rows, suffix, max(lens) - shared)
-            row0 = fb.req_to_token[int(rows[0])]
-            fb.attn_metadata = _NativeDecode(build_indptr(suffix, torch.int64), indices, row0[:shared].clone())
-            return
         native = cpu_ops.decode_rows(fb.req_to_token, rows, fb.seq_lens, sum(lens))
         if native is not None:  # the same rows in one native pass (torch: ~0.1 ms at batch 32)
             fb.attn_metadata = _NativeDecode(*native)
@@ -105,11 +97,11 @@ class CpuNativeAttention(TorchNativeAttention):
 
     def decode_rows(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(kv_indptr, kv_indices) when this forward's attention is the decode kernel over one
-        CSR row per token, as forward() runs it (a decode step or short extends, no shared
-        prefix), else None: what a caller that runs the whole layer natively
-        (models/fused_decode.py) may do in its place."""
+        CSR row per token, as forward() runs it (a decode step or short extends), else None:
+        what a caller that runs the whole layer natively (models/fused_decode.py) may do in its
+        place."""
         meta = fb.attn_metadata
-        if not isinstance(meta, _NativeDecode) or meta.shared_index is not None:
+        if not isinstance(meta, _NativeDecode):
             return None
         return meta.kv_indptr, meta.kv_indices
 
@@ -160,9 +152,7 @@ class CpuNativeAttention(TorchNativeAttention):
         self._store(layer_id, k, v, fb.out_cache_loc)
         if isinstance(meta, _NativeExtend):
             return self._extend_native(q, layer_id, meta, scale)
-        if meta.shared_index is None:
-            return self._attend_rows(q, layer_id, meta, scale)
-        return self._decode_shared_native(q, layer_id, meta, scale)
+        return self._attend_rows(q, layer_id, meta, scale)
 
     def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                      fb: ForwardBatch, scale: float, rows: torch.Tensor) -> torch.Tensor:
@@ -198,40 +188,18 @@ class CpuNativeAttention(TorchNativeAttention):
             raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
         return out
 
-    def _attend_rows(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode, scale: float,
-                     lse: torch.Tensor | None = None) -> torch.Tensor:
-        """The kernel over the CSR rows of meta (the keys outside a shared prefix)."""
+    def _attend_rows(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode, scale: float) -> torch.Tensor:
+        """The kernel over the CSR rows of meta."""
         pool = self.kv_pool
         k_buf, v_buf = pool.get_kv(layer_id)
         if self.quantized:
             out = cpu_ops.decode_attention_int8(q, k_buf, v_buf, pool.k_scale[layer_id], pool.v_scale[layer_id],
-                                                meta.kv_indptr, meta.kv_indices, scale, lse=lse)
+                                                meta.kv_indptr, meta.kv_indices, scale)
         else:
-            out = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale, lse=lse)
+            out = cpu_ops.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale)
         if out is None:
             raise RuntimeError(f"native decode attention rejected q {tuple(q.shape)} {q.dtype}")
         return out
-
-    def _decode_shared_native(self, q: torch.Tensor, layer_id: int, meta: _NativeDecode,
-                              scale: float) -> torch.Tensor:
-        """Shared prefix by GEMM, suffixes by the kernel, merged through their log-sum-exps."""
-        n = q.shape[0]
-        hkv, d, grp, h = self.num_kv_heads, self.head_dim, self.group, self.num_heads
-        lse_s = torch.empty((n, h), dtype=torch.float32)
-        o_s = self._attend_rows(q, layer_id, meta, scale, lse=lse_s)
-        # [Hkv, P, D]; gather_kv dequantizes an int8 pool's prefix once for the whole batch.
-        kp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 0).transpose(0, 1)
-        vp = self.kv_pool.gather_kv(layer_id, meta.shared_index, 1).transpose(0, 1)
-        qh = q.reshape(n, hkv, grp, d).transpose(0, 1).reshape(hkv, n * grp, d)
-        scores = torch.bmm(qh, kp.transpose(1, 2)).float().mul_(scale)  # [Hkv, n*G, P]
-        lse_p = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores.sub_(lse_p.unsqueeze(-1))).to(q.dtype)
-        o_p = torch.bmm(probs, vp)  # [Hkv, n*G, D]
-        o_p = o_p.view(hkv, n, grp, d).transpose(0, 1).reshape(n, h, d).float()
-        lse_p = lse_p.view(hkv, n, grp).transpose(0, 1).reshape(n, h)
-        # softmax over both key sets = weights sigmoid(lse_p - lse_s) and its complement.
-        w_p = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)
-        return (o_s.float().lerp_(o_p, w_p)).to(q.dtype)
 
 
 def _trailing_counts(rows: list[int], extend_lens: list[int]) -> list[int] | None:
