@@ -13,8 +13,8 @@ and the model takes its Python layers:
 - every linear through a native kernel that takes its weight as the Python layer would: int8
   (w8a8_int8), radixlm's bf16 panels or its float panels (not oneDNN's prepacked copy, not
   F.linear), a bias of the model dtype;
-- the attention backend's plain decode kernel (`CpuNativeAttention.decode_rows`: no shared
-  prefix) or its prefill kernel (`extend_rows`; with rows, those `forward_rows` gives it),
+- the attention backend's decode kernel (`CpuNativeAttention.decode_rows`) or its prefill
+  kernel (`extend_rows`; with rows, those `forward_rows` gives it),
   native RoPE tables, one norm epsilon for all norms.
 On a 2k prompt the Python between the kernels was ~3-6% of the prefill (docs/roofline.md,
 session 33).
@@ -102,16 +102,16 @@ class FusedDecode:
             q_indptr, kv_indptr, kv_indices = extend
             # The last layer for `rows` alone, as forward_rows does it; rows it would take
             # elsewhere (not each request's last tokens) leave the forward to the Python layers.
-            rows_indptr = None if rows is None else attn.rows_indptr(fb, rows)
-            if rows is not None and rows_indptr is None:
-                return None
+            rows_indptr = None
+            if rows is not None:
+                rows_indptr = attn.rows_indptr(fb, rows)
+                if rows_indptr is None or rows.dtype != torch.int64 or not rows.is_contiguous():
+                    return None
             spec = native.ExtendRows(q_indptr, cpu_ops.EXTEND_PACK_BUDGET, rows, rows_indptr)
         table = self._current_table(attn)
         if table is None:
             return None
         if spec is not None:
-            if rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()):
-                return None
             out = table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, kv_indptr, kv_indices,
                             spec)
             return out if rows is None or table.num_layers > 0 else out.index_select(0, rows)
