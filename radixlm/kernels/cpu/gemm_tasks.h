@@ -33,11 +33,14 @@ struct NextPanel {
   int end(int n) const { return fetches() ? (int)((int64_t)n * s / (steps - 1)) : 0; }
 };
 
-// Thread id's share of a GEMM of several row blocks: the micro-tiles, in (row block, panel)
-// order, whose middle row falls in the id-th of nt equal shares of the M x panels rows to
-// multiply. (An equal share of whole tasks, as before, gave one thread every full 96-row block
-// and the other the short last one: at 100 rows one thread did all the work, and 100 to 700
-// rows took 1.1-1.9x as long.)
+// Thread id's share: the micro-tiles, in (row block, panel) order, whose middle row falls in the
+// id-th of nt equal shares of the M x panels rows to multiply. A task may be split between two
+// threads (both read its panel): a decode batch (one row block) is split by micro-tiles, not
+// panels, so a panel count that does not divide by the threads (9 panels of 64 for hidden 576,
+// 15 for its qkv) does not leave one thread a panel more to do while the other waits; several
+// row blocks are shared by rows, not by whole tasks (those gave one thread every full 96-row
+// block and the other the short last one: at 100 rows one thread did all the work, and 100 to
+// 700 rows took 1.1-1.9x as long).
 template <int MR, typename Tile>
 void run_row_share(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t id, Tile&& tile) {
   const int64_t blocks = (M + row_block - 1) / row_block, per_full_block = row_block * panels;
@@ -71,35 +74,15 @@ void run_row_share(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t
   }
 }
 
-// tile(m0, rows, p, next): rows (1..MR) activation rows from m0 on, times panel p.
-//
-// A decode batch (M <= row_block) is split by micro-tiles, not panels: thread i takes the i-th
-// contiguous share of the (panel, micro-tile) pairs, so a panel count that does not divide by
-// the threads (9 panels of 64 for hidden 576, 15 for its qkv) does not leave one thread a
-// panel more to do while the other waits; the one panel split between two threads is read by
-// both. Larger M: run_row_share.
+// tile(m0, rows, p, next): rows (1..MR) activation rows from m0 on, times panel p; each thread
+// its run_row_share.
 template <int MR, typename Tile>
 void run_gemm_tasks(int64_t M, int N, int K, int NR, int64_t row_block, int nthreads, Tile&& tile) {
   if (M <= 0) return;
   const int panels = (N + NR - 1) / NR;
-  const int64_t blocks = (M + row_block - 1) / row_block;
   const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
 #pragma omp parallel num_threads(nthreads) if (parallel)
-  {
-    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-    if (blocks == 1) {
-      const int64_t steps = (M + MR - 1) / MR, base = M / steps, extra = M % steps;
-      const int64_t units = panels * steps, u0 = units * id / nt, u1 = units * (id + 1) / nt;
-      for (int64_t u = u0; u < u1; ++u) {
-        const int p = (int)(u / steps), s = (int)(u % steps);
-        const int next = (int64_t)(p + 1) * steps < u1 ? p + 1 : -1;
-        const int64_t m0 = s * base + std::min<int64_t>(s, extra);
-        tile(m0, (int)(base + (s < extra ? 1 : 0)), p, NextPanel{next, s, (int)steps});
-      }
-    } else {
-      run_row_share<MR>(M, panels, row_block, nt, id, tile);
-    }
-  }
+  run_row_share<MR>(M, panels, row_block, omp_get_num_threads(), omp_get_thread_num(), tile);
 }
 
 }  // namespace radixlm
