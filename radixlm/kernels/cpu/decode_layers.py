@@ -129,16 +129,17 @@ class DecodeLayers:
         st.q_indptr, st.num_reqs, st.pack_budget = None, 0, 0
         st.rows, st.num_rows, st.rows_indptr = None, 0, None
         out_rows = b
+        rows = extend.rows if extend is not None else None
         if extend is not None:
             st.q_indptr, st.num_reqs, st.pack_budget = (extend.q_indptr.data_ptr(), extend.q_indptr.numel() - 1,
                                                         extend.pack_budget)
-            if extend.rows is not None and self.num_layers > 0:
-                st.rows, st.num_rows, st.rows_indptr = (extend.rows.data_ptr(), extend.rows.numel(),
+            if rows is not None and self.num_layers > 0:  # without layers the native call norms every row
+                st.rows, st.num_rows, st.rows_indptr = (rows.data_ptr(), rows.numel(),
                                                         extend.rows_indptr.data_ptr())
-                out_rows = extend.rows.numel()
+                out_rows = rows.numel()
         out = torch.empty((out_rows, residual.shape[1]), dtype=residual.dtype)
         rc = self._fn(ctypes.addressof(st), ctypes.addressof(self._table), self.num_layers, residual.data_ptr(),
                       self._final_norm, out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native decode layers failed at layer {rc // 1000 - 1}, op {rc % 1000}")
-        return out
+        return out if rows is None or self.num_layers > 0 else out.index_select(0, rows)

@@ -112,9 +112,8 @@ class FusedDecode:
         if table is None:
             return None
         if spec is not None:
-            out = table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, kv_indptr, kv_indices,
-                            spec)
-            return out if rows is None or table.num_layers > 0 else out.index_select(0, rows)
+            return table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, kv_indptr, kv_indices,
+                             spec)
         out = table.run(hidden, rope.positions, rope.cos, rope.sin, fb.out_cache_loc, *decode)
         return out if rows is None else out.index_select(0, rows)
 
