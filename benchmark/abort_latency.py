@@ -1,7 +1,8 @@
 """Abort latency, caller side and KV side; prints one JSON object (docs/cancel_chain.md).
 
     python benchmark/abort_latency.py [--model-path DIR] [--batch 8] [--aborts 100] [--out FILE]
-                                      [--scheduler-nice 0,5] [--scheduler-policy normal,idle] [--no-http]
+                                      [--scheduler-nice 0,5] [--scheduler-policy normal,idle,fifo]
+                                      [--caller-policy normal,fifo] [--no-http]
 
 For overlap off and on, `--batch` streaming requests decode at once; one at a time, a live
 one is stopped (and replaced, so the batch stays full), from three entries:
@@ -28,8 +29,10 @@ The decode step length (`step_ms`, median time between a stream's chunks) is rep
 to them: the target is the answer within 5 ms p99 whatever the step, the KV within one step.
 Percentiles are nearest-rank (the p99 of 300 samples is the 297th smallest); `--aborts 300`
 gives a p99 that is not just the maximum. `--scheduler-nice 0,5` repeats everything with the
-scheduler at each CPU priority, `--scheduler-policy normal,idle` at each policy (`compare`: every
-pair of the two lists).
+scheduler at each CPU priority, `--scheduler-policy normal,idle,fifo` at each policy, `--caller-policy
+normal,fifo` with the benchmark's own caller threads (the Engine's asyncio caller, the POST's
+sender, the streams' readers) normal or under SCHED_FIFO (`compare`: every combination; the first
+of each list is the headline).
 """
 from __future__ import annotations
 
@@ -99,6 +102,18 @@ def kv_step(info: dict, t0: dict[str, float]) -> dict:
             "launched_after_abort_ms": pct(late), "after_last_launch_ms": pct([r - lt for _, r, lt in rows])}
 
 
+def caller_thread(policy: str) -> None:
+    """The calling thread under the caller policy: fifo is SCHED_FIFO 1, reset to normal in the
+    threads and processes it starts (the Engine's scheduler processes stay normal); normal puts
+    the thread back."""
+    if policy == "fifo":
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    elif policy == "normal":
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    else:
+        raise ValueError(f"unknown caller policy {policy!r}")
+
+
 def batches_given_back(info: dict) -> dict:
     """Decode batches an abort took back before they ran (overlap) or before their launch."""
     return {k: info.get(k) for k in ("num_batches_taken_back", "num_batches_unbuilt")}
@@ -137,6 +152,7 @@ def run_engine(args, overlap: bool) -> dict:
 
         async def go() -> None:
             tasks = []
+            caller_thread(args.caller)
 
             def launch(i: int) -> None:
                 rid = f"e{int(overlap)}-{i}"
@@ -156,6 +172,7 @@ def run_engine(args, overlap: bool) -> dict:
             eng.abort_request(abort_all=True)
             await asyncio.gather(*tasks)
         asyncio.run(go())
+        caller_thread("normal")
         time.sleep(0.5)
         info = eng.get_server_info()
         released = kv_release(info, t0)
@@ -240,15 +257,16 @@ class RawPost:
 class Stream:
     """One streaming POST /generate on a raw socket, read by a thread."""
 
-    def __init__(self, server: Server, rid: str, body: dict, on_event) -> None:
+    def __init__(self, server: Server, rid: str, body: dict, on_event, caller: str) -> None:
         payload = json.dumps(body).encode()
         self.sock = socket.create_connection(("127.0.0.1", server.port))
         self.sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
         self.rid, self.on_event, self.started = rid, on_event, threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(caller,), daemon=True).start()
 
-    def _read(self) -> None:
+    def _read(self, caller: str) -> None:
+        caller_thread(caller)
         buf = b""
         try:
             while True:
@@ -295,11 +313,15 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
         rid = f"{entry}{int(overlap)}-{i}"
         body = {"input_ids": prompt(random.Random(rid), vocab), "rid": rid, "stream": True,
                 "sampling_params": params}
+        # connected and sent outside the lock: a reader holding an aborted stream's final chunk
+        # must not wait for this (it did, 2-3 ms, with the POST entry's answer counted late)
+        stream = Stream(srv, rid, body, on_event, args.caller)
         with lock:
-            live[rid] = Stream(srv, rid, body, on_event)
+            live[rid] = stream
 
     # (opened now, used every ~interval: the server closes a keep-alive connection idle for 5 s)
     poster = RawPost(srv.port) if entry == "http_abort" else None
+    caller_thread(args.caller)
     for i in range(args.batch):
         launch(i)
     for k in range(args.aborts):
@@ -322,6 +344,7 @@ def run_entry(args, srv: Server, entry: str, overlap: bool, vocab: int) -> dict:
         launch(args.batch + k)
     if poster is not None:
         poster.close()
+    caller_thread("normal")
     srv.http.post("/abort_request", json={"abort_all": True})
     time.sleep(0.5)
     info = srv.http.get("/get_server_info").json()
@@ -349,13 +372,16 @@ def main() -> None:
     ap.add_argument("--scheduler-nice", default="0",
                     help="comma-separated --scheduler-nice values to compare (the first is the headline)")
     ap.add_argument("--scheduler-policy", default="normal",
-                    help="comma-separated --scheduler-policy values to compare (normal, idle)")
+                    help="comma-separated --scheduler-policy values to compare (normal, idle, fifo)")
+    ap.add_argument("--caller-policy", default="normal",
+                    help="comma-separated policies of the benchmark's caller threads to compare (normal, fifo)")
     args = ap.parse_args()
-    settings = [(int(n), p) for p in args.scheduler_policy.split(",") for n in args.scheduler_nice.split(",")]
+    settings = [(int(n), p, c) for c in args.caller_policy.split(",") for p in args.scheduler_policy.split(",")
+                for n in args.scheduler_nice.split(",")]
     result: dict = {"workload": dict(vars(args))}
-    for i, (nice, policy) in enumerate(settings):
-        args.nice, args.policy = nice, policy
-        runs: dict = {"scheduler_nice": nice, "scheduler_policy": policy}
+    for i, (nice, policy, caller) in enumerate(settings):
+        args.nice, args.policy, args.caller = nice, policy, caller
+        runs: dict = {"scheduler_nice": nice, "scheduler_policy": policy, "caller_policy": caller}
         for overlap in (False, True):
             mode = {**run_engine(args, overlap)}
             if not args.no_http:

@@ -200,11 +200,14 @@ class ServerArgs:
                                "the detokenizer, which answer callers, preempt the forward's threads at "
                                "once (5 cut the HTTP abort answer's p99 by a third on 2 busy cores); it "
                                "also makes the forward yield to every other process", default=0)
-    scheduler_policy: str = _opt("Linux scheduling policy of the scheduler processes: normal, or idle "
-                                 "(SCHED_IDLE: any other thread preempts the forward when it wakes, and the "
-                                 "front end's loop thread takes SCHED_BATCH; an abort's answer then takes 4-5 ms "
-                                 "p99 on 2 busy cores, but the forward gets almost no CPU while "
-                                 "anything else on the machine wants it)", default="normal")
+    scheduler_policy: str = _opt("Linux scheduling policies of the scheduler processes and the front end's loop "
+                                 "thread: normal; idle (the scheduler processes under SCHED_IDLE: any other thread "
+                                 "preempts the forward when it wakes, and the loop thread takes SCHED_BATCH; an "
+                                 "abort's answer then takes 4-5 ms p99 on 2 busy cores, but the forward gets almost "
+                                 "no CPU while anything else on the machine wants it); or fifo (the loop thread "
+                                 "under SCHED_FIFO, real-time: it takes a CPU the moment it wakes; needs "
+                                 "CAP_SYS_NICE or RLIMIT_RTPRIO; with a SCHED_FIFO caller the answer's p99 was 1.9-2.3 "
+                                 "ms on 2 busy cores)", default="normal")
     gc_warning_threshold_secs: float = _opt("log a warning when one garbage collection pauses a radixlm process "
                                             "longer than this (0: never); every pause is counted in "
                                             "get_server_info's gc entry either way", default=0.0)

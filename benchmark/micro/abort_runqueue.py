@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("nice", nargs="?", type=int, default=19)
     ap.add_argument("--rows", help="write every abort here (JSON)")
     ap.add_argument("--policy", default="normal", help="--scheduler-policy (normal, idle)")
-    ap.add_argument("--loop", default="", help="override the engine's loop thread's policy: batch, normal or nice:N")
+    ap.add_argument("--loop", default="", help="override the engine's loop thread's policy: batch, normal, fifo or nice:N")
+    ap.add_argument("--caller", default="", help="the caller's thread's policy: fifo (SCHED_FIFO 1) or normal")
     args = ap.parse_args()
     nice = args.nice
     params = {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}
@@ -42,7 +43,11 @@ def main() -> None:
         vocab = eng.tokenizer_manager.vocab_size
         loop_tid = eng._thread.native_id  # the engine's loop thread
         me = threading.get_native_id()
-        if args.loop in ("batch", "normal"):
+        if args.caller == "fifo":
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        if args.loop == "fifo":
+            os.sched_setscheduler(loop_tid, os.SCHED_FIFO, os.sched_param(1))
+        elif args.loop in ("batch", "normal"):
             os.sched_setscheduler(loop_tid, os.SCHED_BATCH if args.loop == "batch" else os.SCHED_OTHER,
                                   os.sched_param(0))
         elif args.loop.startswith("nice:"):

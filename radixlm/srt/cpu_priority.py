@@ -13,8 +13,15 @@ settings shape this:
   loop preempts it, the caller is left runnable with a slightly negative lag; when the loop
   sleeps again, the low-weight forward thread is the only eligible one and holds the CPU until
   the next tick, 4-5 ms. Without that preemption the caller runs on until it blocks.
+- `--scheduler-policy fifo` leaves the scheduler processes alone and runs the front end's loop
+  thread under `SCHED_FIFO` (real-time, priority 1): a real-time thread is outside the fair
+  scheduler's eligibility rule above, so it takes a CPU the moment it wakes, whoever ran there.
+  Threads and processes it starts begin as normal ones (`SCHED_RESET_ON_FORK`): tokenization in
+  the executor's threads and the ZMQ I/O threads never run real-time. A caller whose own thread is
+  `SCHED_FIFO` too gets its answer back the same way (docs/cancel_chain.md § Latency has the
+  measurements). Setting it needs `CAP_SYS_NICE` or an `RLIMIT_RTPRIO` of at least 1.
 
-Both are Linux scheduling attributes; elsewhere they are ignored with a warning. A new thread
+All are Linux scheduling attributes; elsewhere they are ignored with a warning. A new thread
 inherits its creator's policy and niceness, so each is set before the thread starts others.
 """
 from __future__ import annotations
@@ -24,16 +31,18 @@ import os
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_POLICIES = ("normal", "idle")
+SCHEDULER_POLICIES = ("normal", "idle", "fifo")
 
 
-def _set_policy(policy_name: str) -> None:
+def _set_policy(policy_name: str, priority: int = 0, reset_on_fork: bool = False) -> None:
     policy = getattr(os, policy_name, None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         logger.warning("%s is not available on this platform; the thread keeps its policy", policy_name)
         return
+    if reset_on_fork:
+        policy |= os.SCHED_RESET_ON_FORK
     try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: the calling thread on Linux
+        os.sched_setscheduler(0, policy, os.sched_param(priority))  # 0: the calling thread on Linux
     except OSError as e:
         logger.warning("could not set %s: %s", policy_name, e)
 
@@ -48,8 +57,11 @@ def lower_forward_priority(nice: int, policy: str) -> None:
 
 
 def front_end_thread(policy: str) -> None:
-    """In a thread that answers callers (an event loop the TokenizerManager runs on), when the
-    forward runs under `--scheduler-policy idle`: SCHED_BATCH, so that waking it never
-    preempts the caller that woke it, while it still preempts the forward at once."""
+    """In a thread that answers callers (an event loop the TokenizerManager runs on). With
+    `--scheduler-policy idle` (the forward under SCHED_IDLE): SCHED_BATCH, so that waking it
+    never preempts the caller that woke it, while it still preempts the forward at once. With
+    `fifo`: SCHED_FIFO at priority 1, reset to normal in the threads it starts."""
     if policy == "idle":
         _set_policy("SCHED_BATCH")
+    elif policy == "fifo":
+        _set_policy("SCHED_FIFO", priority=1, reset_on_fork=True)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -235,6 +237,27 @@ def test_disable_radix_cache(tiny_llama_dir):
         assert a["output_ids"] == b["output_ids"]
         assert b["meta_info"]["cached_tokens"] == 0
         assert eng.get_server_info()["memory"]["free"] == 2048
+
+
+def test_a_fifo_policy_makes_only_the_loop_thread_real_time(tiny_llama_dir):
+    code = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
+    if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO here")
+    with Engine(model_path=tiny_llama_dir, dtype="float32", max_total_tokens=2048, scheduler_policy="fifo") as eng:
+        assert os.sched_getscheduler(eng._thread.native_id) & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+        for proc in eng.procs.procs.values():  # the forward and the detokenizer stay normal
+            assert thread_policies(proc.pid) == {os.SCHED_OTHER}
+        a = eng.generate(input_ids=PROMPTS[1], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert len(a["output_ids"]) == 4
+        # every thread the loop started meanwhile (executor, ZMQ I/O) is normal
+        policies = set()
+        for t in os.listdir("/proc/self/task"):
+            if int(t) != eng._thread.native_id:
+                try:
+                    policies.add(os.sched_getscheduler(int(t)))
+                except ProcessLookupError:  # a thread that ended meanwhile
+                    pass
+        assert policies == {os.SCHED_OTHER}
 
 
 def test_page_size_4_gives_the_same_greedy_output(tiny_llama_dir, engine):

@@ -56,8 +56,9 @@ def test_scheduler_nice_is_a_niceness(nice):
     assert ServerArgs.from_kwargs(scheduler_nice=0).scheduler_nice == 0
 
 
-def test_scheduler_policy_is_normal_or_idle():
+def test_scheduler_policy_is_normal_idle_or_fifo():
     assert ServerArgs().scheduler_policy == "normal"
     assert ServerArgs.from_kwargs(scheduler_policy="idle").scheduler_policy == "idle"
+    assert ServerArgs.from_kwargs(scheduler_policy="fifo").scheduler_policy == "fifo"
     with pytest.raises(ValueError, match="scheduler_policy"):
-        ServerArgs.from_kwargs(scheduler_policy="fifo")
+        ServerArgs.from_kwargs(scheduler_policy="realtime")
