@@ -67,3 +67,20 @@ def test_a_front_end_thread_not_allowed_real_time_warns_and_runs_on(monkeypatch,
         front_end_thread("fifo")
     assert "could not set SCHED_FIFO" in caplog.text
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@pytest.mark.parametrize("nice, policy, want", [(0, "normal", os.SCHED_OTHER), (3, "idle", os.SCHED_IDLE),
+                                              (0, "fifo", os.SCHED_OTHER)])  # fifo: only the front end
+def test_the_forward_priority_reaches_threads_started_after_it(nice, policy, want):
+    code = ("import os, threading\n"
+            "from radixlm.srt.cpu_priority import lower_forward_priority\n"
+            f"base = os.getpriority(os.PRIO_PROCESS, 0)\n"
+            f"lower_forward_priority({nice}, {policy!r})\n"
+            "got = []\n"
+            "t = threading.Thread(target=lambda: got.append((os.sched_getscheduler(0), "
+            "os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base)))\n"
+            "t.start(); t.join(); print(*got[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    got_policy, got_nice = map(int, out.stdout.split())
+    assert got_policy == want
+    assert got_nice == nice or got_nice == 19 - os.getpriority(os.PRIO_PROCESS, 0)  # capped at 19
