@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from test.support.sched_policy import fifo_permitted, task_policies
 from test.support.server import ServerProcess, assert_idle
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}  # far longer than any test waits
@@ -215,19 +214,8 @@ def test_sigterm_to_the_whole_process_group_is_a_clean_stop(tiny_llama_dir, tmp_
     assert "exited unexpectedly" not in srv.log()
 
 
-def _task_policies(pid: int) -> dict[int, int]:
-    policies = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            policies[int(task)] = os.sched_getscheduler(int(task)) & ~os.SCHED_RESET_ON_FORK
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
-    return policies
-
-
 def test_a_fifo_server_runs_only_its_loop_thread_real_time(tiny_llama_dir, tmp_path):
-    code = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
-    if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode != 0:
+    if not fifo_permitted():
         pytest.skip("SCHED_FIFO needs CAP_SYS_NICE or RLIMIT_RTPRIO here")
     srv = ServerProcess(tiny_llama_dir, str(tmp_path / "server.log"), "--scheduler-policy", "fifo")
     try:
@@ -239,14 +227,14 @@ def test_a_fifo_server_runs_only_its_loop_thread_real_time(tiny_llama_dir, tmp_p
                 for i, _ in enumerate(r.iter_lines()):
                     if i == 4:
                         break
-            policies = _task_policies(srv.proc.pid)
+            policies = task_policies(srv.proc.pid)
         assert assert_idle(srv, within=0.5) < 0.5  # the disconnect aborted it
         # the event loop (uvicorn's, the main thread) is real-time; the server's other threads
         # (ZMQ I/O, the executor's tokenization) and its children (the forward) are not
         assert policies.pop(srv.proc.pid) == os.SCHED_FIFO
         assert set(policies.values()) == {os.SCHED_OTHER}
         for child in srv.runtime["child_pids"].values():
-            assert set(_task_policies(child).values()) == {os.SCHED_OTHER}
+            assert set(task_policies(child).values()) == {os.SCHED_OTHER}
     finally:
         if srv.proc.poll() is None:
             rc, _ = srv.stop()

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from radixlm.srt.cpu_priority import front_end_thread
+from test.support.sched_policy import fifo_permitted
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
 
@@ -27,11 +28,6 @@ def test_front_end_threads_take_batch_only_beside_an_idle_forward():
     assert policy_in_thread("normal") == os.SCHED_OTHER
     assert policy_in_thread("idle") == os.SCHED_BATCH
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the thread's own, not the process's
-
-
-def fifo_permitted() -> bool:
-    code = "import os; os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
 
 
 def test_a_fifo_front_end_thread_is_real_time_and_starts_only_normal_threads_and_processes():
