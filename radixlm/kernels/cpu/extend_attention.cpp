@@ -63,13 +63,13 @@ constexpr int pv_rows() { return D <= 64 ? 6 : D <= 96 ? 3 : D <= 128 ? 2 : 1; }
 // here takes a slot from the vdpbf16ps on the same pipes. Very negative x (masked keys, the
 // first block's correction) gives 0.
 inline __m512 exp2_512(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);  // [-0.5, 0.5]
-  __m512 p = _mm512_set1_ps(5.51716472e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42611121e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93260989e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.99928074e-1f));
-  return _mm512_scalef_ps(p, n);
+  // f = x - floor(x) in one instruction; vscalefps scales by 2^floor(x) itself.
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // [0, 1)
+  __m512 p = _mm512_set1_ps(7.802436e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583364e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999252e-1f));
+  return _mm512_scalef_ps(p, x);
 }
 
 static_assert(kRows <= 16, "the rows' maxima and corrections are one 16-lane vector");
@@ -197,6 +197,7 @@ __attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT]
   const __m512 vc = _mm512_set1_ps(c);
   alignas(64) float bm[16] = {};
   __mmask16 mk[R][kTiles];
+  __mmask16 up = 0;
   for (int r = 0; r < R; ++r) {
     if (masked) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, kend[r] - k0));
@@ -208,11 +209,14 @@ __attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT]
     }
     __m512 mx = s[r][0];
     for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
-    bm[r] = _mm512_reduce_max_ps(mx);
+    // The row's horizontal maximum only where some score passes m + 8 / c (rare after the
+    // first block): a compare instead of a reduction.
+    if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + 8.f / c), _CMP_GT_OQ)) {
+      bm[r] = _mm512_reduce_max_ps(mx);
+      up |= (__mmask16)(1u << r);
+    }
   }
   const __m512 mold = _mm512_load_ps(m);
-  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(bm), mold), vc),
-                                          _mm512_set1_ps(8.f), _CMP_GT_OQ) & ((1u << R) - 1);
   if (up) {
     const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
     _mm512_store_ps(m, mnew);
