@@ -20,7 +20,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from radixlm import Engine  # noqa: E402 - after the path set-up above
+from benchmark.abort_latency import caller_thread  # noqa: E402 - after the path set-up above
+from radixlm import Engine  # noqa: E402
 
 def rq(tid: int) -> tuple[float, float]:
     """(ms waited runnable, ms run) of a thread of this process, since it started."""
@@ -43,8 +44,8 @@ def main() -> None:
         vocab = eng.tokenizer_manager.vocab_size
         loop_tid = eng._thread.native_id  # the engine's loop thread
         me = threading.get_native_id()
-        if args.caller == "fifo":
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        if args.caller:
+            caller_thread(args.caller)
         if args.loop == "fifo":
             os.sched_setscheduler(loop_tid, os.SCHED_FIFO, os.sched_param(1))
         elif args.loop in ("batch", "normal"):

@@ -209,7 +209,7 @@ def thread_nices(pid: int) -> set[int]:
 
 
 def thread_policies(pid: int) -> set[int]:
-    return thread_stat_field(pid, 41)
+    return set(task_policies(pid).values())
 
 
 def test_the_scheduler_keeps_the_launchers_priority_by_default(engine):
