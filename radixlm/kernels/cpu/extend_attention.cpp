@@ -14,7 +14,8 @@
 //      16 output dims, with the row's (p_j, p_j+1) pair broadcast.
 // kRows (12) query rows (token, query head of the KV head) share each loaded K and V vector. Scores
 // and P are float32 per 32-key block; P is rounded to bf16 for P @ V (as GPU flash attention
-// does), accumulation is float32, and the online softmax runs once per block and row. Blocks
+// does), accumulation is float32, and the online softmax runs once per block and row, its
+// weights computed between the next block's dot products (attend_rows' pipeline). Blocks
 // past a row block's causal end are never visited, the prefix needs no mask, and only blocks
 // that cross some row's causal end are masked. An int8 pool (the int8 KV cache) is dequantized
 // to bf16 while packing, once per key and call, so the rest is the same.
@@ -23,6 +24,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -70,6 +73,38 @@ inline __m512 exp2_512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583364e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999252e-1f));
   return _mm512_scalef_ps(p, x);
+}
+
+// 2^x for the softmax weights that attend_rows computes between the scores' dot products.
+// There the polynomial above would cost its four FMAs as dot-product slots, while adds,
+// permutes and vscalefps run on the other pipes beside them (Zen 4): x = k / 16 + r with
+// k = round(16 x) (adding 1.5 * 2^19 leaves k in the low mantissa bits) and r in [-1/32, 1/32];
+// 2^(k mod 16 / 16) times the minimax line of 2^r (relative error < 1.2e-4, far below P's bf16
+// rounding) is one FMA of two 16-entry tables, and vscalefps scales it by 2^floor(k / 16).
+// Very negative x (masked keys) gives 0.
+struct Exp2Table {
+  alignas(64) float a[16], b[16];  // 2^(j / 16) times the line's constant and slope
+  Exp2Table() {
+    for (int j = 0; j < 16; ++j) {
+      const double t = std::exp2(j / 16.0);
+      a[j] = (float)(1.00011875 * t);
+      b[j] = (float)(0.6932125963297612 * t);
+    }
+  }
+};
+const Exp2Table kExp2Table;
+
+inline __m512 exp2_512_table(__m512 x) {
+  // Explicit rounding keeps -ffast-math from folding (x + magic) - magic into x.
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 magic = _mm512_set1_ps(786432.f);  // 1.5 * 2^19, whose ulp is 1/16
+  const __m512 y = _mm512_add_round_ps(x, magic, kRound);
+  const __m512 t = _mm512_sub_round_ps(y, magic, kRound);  // k / 16, exactly
+  const __m512 r = _mm512_sub_round_ps(x, t, kRound);
+  const __m512i k = _mm512_castps_si512(y);  // vpermps reads its low 4 bits
+  const __m512 a = _mm512_permutexvar_ps(k, _mm512_load_ps(kExp2Table.a));
+  const __m512 b = _mm512_permutexvar_ps(k, _mm512_load_ps(kExp2Table.b));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(r, b, a), t);
 }
 
 static_assert(kRows <= 16, "the rows' maxima and corrections are one 16-lane vector");
@@ -148,8 +183,8 @@ void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_
 
 // acc rows [RG][D/16] (times corr[r] first) += P @ V over one 32-key block.
 // NP: key pairs in the block (kKeys / 2, or a wide block's).
-template <int D, int RG, int NP = kKeys / 2>
-inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[NP], const float* corr, bool rescale,
+template <int D, int RG, int NP = kKeys / 2, int PS = NP>  // PS: pb's row length
+inline void pv_block(const uint32_t* vp, const uint32_t (*pb)[PS], const float* corr, bool rescale,
                      float (*acc)[D]) {
   constexpr int NC = D / 16;
   __m512 o[RG][NC];
@@ -179,36 +214,32 @@ struct RowsOf {  // one tile of query rows
 };
 using Rows = RowsOf<kRows>;
 
-// The online softmax of one block of NT 16-key tiles (a kKeys block, or a wide one) for R rows,
-// shared by attend_rows and attend_rows_amx.
-// s: the block's scores, set to kNoMax in place past each row's kend when the block crosses one
-// (masked); m: the rows' running maxima (16 lanes, those past R 0), corr: where a row's maximum
-// moves, its correction (1 elsewhere); l: the rows' sums of weights; pb[r]: row r's weights
-// rounded to bf16, keys in order (64 bytes). Returns the rows whose maximum moved.
+// The online softmax's first half for one block of NT 16-key tiles (a kKeys block, or a wide
+// one) and R rows: s, the block's scores, is set to kNoMax in place past each row's kend when the
+// block crosses one (masked); m: the rows' running maxima (16 lanes, those past R 0), moved
+// where the block passes them; corr: where a row's maximum moved, its correction (the factor
+// for its earlier weights, output and sum). Returns the rows whose maximum moved.
 //
 // Lazy rescaling: a row's running maximum m moves only when a block's maximum passes it by more
 // than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and bf16 alike), and
 // most blocks need no correction of the output and l at all.
-template <int R, int NT = kTiles>
-__attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT], const int64_t* kend,
-                                                              int64_t k0, bool masked, float c, float* m, float* corr,
-                                                              __m512* l, uint32_t (*pb)[NT * 8]) {
-  constexpr int kTiles = NT, kKeys = 16 * NT;  // this block's
-  const __m512 vc = _mm512_set1_ps(c);
+template <int R, int NT, int S = NT>  // S: s's row length in tiles
+__attribute__((always_inline)) inline __mmask16 move_maxima(__m512 (*s)[S], const int64_t* kend, int64_t k0,
+                                                            bool masked, float c, float* m, float* corr) {
+  constexpr int kKeys = 16 * NT;  // this block's
   alignas(64) float bm[16] = {};
-  __mmask16 mk[R][kTiles];
   __mmask16 up = 0;
   for (int r = 0; r < R; ++r) {
     if (masked) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, kend[r] - k0));
-      for (int t = 0; t < kTiles; ++t) {
+      for (int t = 0; t < NT; ++t) {
         const int64_t nt = n - 16 * t;
-        mk[r][t] = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
-        s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk[r][t], s[r][t]);
+        const __mmask16 mk = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+        s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk, s[r][t]);
       }
     }
     __m512 mx = s[r][0];
-    for (int t = 1; t < kTiles; ++t) mx = _mm512_max_ps(mx, s[r][t]);
+    for (int t = 1; t < NT; ++t) mx = _mm512_max_ps(mx, s[r][t]);
     // The row's horizontal maximum only where some score passes m + 8 / c (rare after the
     // first block): a compare instead of a reduction.
     if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[r] + 8.f / c), _CMP_GT_OQ)) {
@@ -216,23 +247,32 @@ __attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT]
       up |= (__mmask16)(1u << r);
     }
   }
-  const __m512 mold = _mm512_load_ps(m);
   if (up) {
+    const __m512 mold = _mm512_load_ps(m);
     const __m512 mnew = _mm512_mask_mov_ps(mold, up, _mm512_load_ps(bm));
     _mm512_store_ps(m, mnew);
-    _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), vc)));
+    _mm512_store_ps(corr, exp2_512(_mm512_mul_ps(_mm512_sub_ps(mold, mnew), _mm512_set1_ps(c))));
   }
+  return up;
+}
+
+// The whole online softmax of one block, shared by attend_rows' 32-key blocks and
+// attend_rows_amx: move_maxima, then the weights. l: the rows' sums of weights; pb[r]: row r's
+// weights rounded to bf16, keys in order (NT * 32 bytes). Returns the rows whose maximum moved.
+template <int R, int NT = kTiles>
+__attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT], const int64_t* kend,
+                                                              int64_t k0, bool masked, float c, float* m, float* corr,
+                                                              __m512* l, uint32_t (*pb)[NT * 8]) {
+  const __mmask16 up = move_maxima<R, NT>(s, kend, k0, masked, c, m, corr);
+  const __m512 vc = _mm512_set1_ps(c);
   for (int r = 0; r < R; ++r) {
     const __m512 mc = _mm512_set1_ps(m[r] * c);
-    __m512 p[kTiles];
-    for (int t = 0; t < kTiles; ++t) {
-      p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));
-      if (masked) p[t] = _mm512_maskz_mov_ps(mk[r][t], p[t]);
-    }
+    __m512 p[NT];
+    for (int t = 0; t < NT; ++t) p[t] = exp2_512(_mm512_fmsub_ps(s[r][t], vc, mc));  // masked keys: 0
     __m512 sum = p[0];
-    for (int t = 1; t < kTiles; ++t) sum = _mm512_add_ps(sum, p[t]);
+    for (int t = 1; t < NT; ++t) sum = _mm512_add_ps(sum, p[t]);
     l[r] = (up >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr[r]), sum) : _mm512_add_ps(l[r], sum);
-    for (int t = 0; t < kTiles; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
+    for (int t = 0; t < NT; t += 2)  // keys 16t.. in the low half, 16(t+1).. in the high
       _mm512_store_si512(pb[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p[t + 1], p[t]));
   }
   return up;
@@ -244,8 +284,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   constexpr int DP = D / 2;
   alignas(64) uint32_t qb[kRows][DP];
   alignas(64) float acc[kRows][D];
-  alignas(64) uint32_t pb[kRows][kKeys / 2];
-  alignas(64) float m[16], corr[16];
+  alignas(64) float m[16];
   __m512 l[kRows];
   for (int r = 0; r < kRows; ++r) {
     memcpy(qb[r], rows.q[r], D * sizeof(uint16_t));
@@ -262,7 +301,9 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   const float c = scale * 1.44269504088896341f;  // log2(e)
   constexpr int RG = pv_rows<D>();
   static_assert(kRows % RG == 0, "P @ V takes the rows in groups of RG");
-  auto scores = [&](int64_t k0, __m512 (&s)[kRows][kTiles]) __attribute__((always_inline)) {  // keys k0 .. k0 + 31
+  const __m512 vc = _mm512_set1_ps(c);
+  // Keys k0 .. k0 + 31 into s; step(i) runs after the dot products of the i-th pair of D.
+  auto scores = [&](int64_t k0, __m512 (&s)[kRows][kTiles], auto&& step) __attribute__((always_inline)) {
     const uint32_t* kt = kp + k0 * D / 2;  // kKeys keys of D bf16 (D / 2 words each)
     for (int r = 0; r < kRows; ++r)
       for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_setzero_ps();
@@ -273,35 +314,87 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
         const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qb[r][dp]);
         for (int t = 0; t < kTiles; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], kk[t], qq);
       }
+      step(dp);
     }
   };
+  // The keys in blocks: wide ones (kWideTiles tiles) up to the row tile's last one, then
+  // kKeys ones to kmax; software-pipelined. While the dot products of block i's scores run,
+  // the weights of block i - 1 (whose maxima have moved already) are computed between them, one
+  // pair of 16-key tiles of one row at a time, by the table exponential, whose adds, permutes
+  // and scalings take the pipes the dot products leave free. Then block i - 1's P @ V runs, and
+  // block i's maxima move. (The polynomial's FMAs after the scores loop cost ~20% of its time,
+  // the table's units between its dot products ~5%.)
   constexpr int64_t kWide = 16 * kWideTiles;
   const int64_t kpad = padded(kmax);  // the packed keys end there (zeros past the request's end)
-  int64_t k0 = 0;
-  {
-    alignas(64) uint32_t pbw[kRows][kWide / 2];
-    for (; k0 + kWide <= kpad; k0 += kWide) {
-      __m512 sw[kRows][kWideTiles];
-      for (int b = 0; b < kWideTiles / kTiles; ++b) {
+  const int64_t nwide = kpad / kWide, nblocks = nwide + (kmax - nwide * kWide + kKeys - 1) / kKeys;
+  auto block_start = [&](int64_t i) { return i < nwide ? i * kWide : nwide * kWide + (i - nwide) * kKeys; };
+  alignas(64) __m512 sw[2][kRows][kWideTiles];  // block i's scores, and block i - 1's
+  alignas(64) uint32_t pbw[kRows][kWide / 2];   // block i - 1's weights
+  alignas(64) float mc[kRows], corr_e[16];      // block i - 1's m * c, and its corrections
+  __mmask16 up_e = 0;
+  __m512 rsum = _mm512_setzero_ps();
+  // Step i with NT tiles in block i (0: past the last) and NTE in block i - 1 (0: none).
+  auto step = [&](int64_t i, auto nt_, auto nte_) __attribute__((always_inline)) {
+    constexpr int NT = decltype(nt_)::value, NTE = decltype(nte_)::value;
+    constexpr int kUnits = kRows * NTE / 2, kSteps = NT / 2 * DP;
+    __m512 (*se)[kWideTiles] = sw[(i + 1) & 1];
+    auto unit = [&](int u) __attribute__((always_inline)) {  // row u / (NTE / 2), tiles 2 (u % (NTE / 2)), + 1
+      const int r = u / (NTE / 2), t = 2 * (u % (NTE / 2));
+      const __m512 vmc = _mm512_set1_ps(mc[r]);
+      const __m512 p0 = exp2_512_table(_mm512_fmsub_ps(se[r][t], vc, vmc));  // masked keys: 0
+      const __m512 p1 = exp2_512_table(_mm512_fmsub_ps(se[r][t + 1], vc, vmc));
+      _mm512_store_si512(pbw[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      rsum = t == 0 ? _mm512_add_ps(p0, p1) : _mm512_add_ps(rsum, _mm512_add_ps(p0, p1));
+      if (t == NTE - 2)
+        l[r] = (up_e >> r & 1) ? _mm512_fmadd_ps(l[r], _mm512_set1_ps(corr_e[r]), rsum) : _mm512_add_ps(l[r], rsum);
+    };
+    const int64_t kb = block_start(i);
+    if constexpr (NT > 0) {
+      for (int b = 0; b < NT / 2; ++b) {
         __m512 s[kRows][kTiles];
-        scores(k0 + b * kKeys, s);
+        scores(kb + b * kKeys, s, [&](int dp) __attribute__((always_inline)) {
+          if constexpr (NTE > 0) {  // units j * kUnits / kSteps .. (j + 1) * kUnits / kSteps after step j
+            const int j = b * DP + dp;
+            for (int u = j * kUnits / kSteps; u < (j + 1) * kUnits / kSteps; ++u) unit(u);
+          }
+        });
         for (int r = 0; r < kRows; ++r)
-          for (int t = 0; t < kTiles; ++t) sw[r][b * kTiles + t] = s[r][t];
+          for (int t = 0; t < kTiles; ++t) sw[i & 1][r][b * kTiles + t] = s[r][t];
       }
-      const __mmask16 up = softmax_block<kRows, kWideTiles>(sw, rows.kend, k0, k0 + kWide > kmin, c, m, corr, l, pbw);
-      const uint32_t* vt = vp + k0 * D / 2;
+    } else {
+      for (int u = 0; u < kUnits; ++u) unit(u);  // the last block's weights
+    }
+    if constexpr (NTE > 0) {
+      const uint32_t* vt = vp + block_start(i - 1) * D / 2;
       for (int r = 0; r < kRows; r += RG)
-        pv_block<D, RG, kWide / 2>(vt, pbw + r, corr + r, (up >> r & ((1u << RG) - 1)) != 0, acc + r);
+        pv_block<D, RG, NTE * 8, kWide / 2>(vt, pbw + r, corr_e + r, (up_e >> r & ((1u << RG) - 1)) != 0, acc + r);
+    }
+    if constexpr (NT > 0) {
+      up_e = move_maxima<kRows, NT, kWideTiles>(sw[i & 1], rows.kend, kb, kb + 16 * NT > kmin, c, m, corr_e);
+      for (int r = 0; r < kRows; ++r) mc[r] = m[r] * c;
+    }
+  };
+  using Wide = std::integral_constant<int, kWideTiles>;
+  using Narrow = std::integral_constant<int, kTiles>;
+  using None = std::integral_constant<int, 0>;
+  for (int64_t i = 0; i < nblocks; ++i) {
+    if (i < nwide) {
+      if (i == 0)
+        step(i, Wide(), None());
+      else
+        step(i, Wide(), Wide());
+    } else if (i == 0) {
+      step(i, Narrow(), None());
+    } else if (i == nwide) {
+      step(i, Narrow(), Wide());
+    } else {
+      step(i, Narrow(), Narrow());
     }
   }
-  for (; k0 < kmax; k0 += kKeys) {
-    __m512 s[kRows][kTiles];
-    scores(k0, s);
-    const __mmask16 up = softmax_block<kRows>(s, rows.kend, k0, k0 + kKeys > kmin, c, m, corr, l, pb);
-    const uint32_t* vt = vp + k0 * D / 2;
-    for (int r = 0; r < kRows; r += RG)
-      pv_block<D, RG>(vt, pb + r, corr + r, (up >> r & ((1u << RG) - 1)) != 0, acc + r);
-  }
+  if (nblocks == nwide)
+    step(nblocks, None(), Wide());
+  else
+    step(nblocks, None(), Narrow());
   for (int r = 0; r < rows.n; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));
     for (int c = 0; c < D; c += 16)

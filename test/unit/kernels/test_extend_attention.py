@@ -115,6 +115,21 @@ def test_a_running_maximum_that_keeps_rising_rescales_what_is_already_summed(ram
     assert err.mean().item() <= 2 * (ref.bfloat16().double() - ref).abs().mean().item() + 1e-4, err.mean().item()
 
 
+def test_every_mix_of_wide_and_32_key_blocks_in_the_pipeline():
+    """attend_rows takes a row tile's keys in 128-key blocks, then 32-key ones, computing each
+    block's weights while the next block's scores are: requests whose last rows end at every
+    residue of 128 (no block at all past the first, only wide blocks, only 32-key ones, and each
+    mix), each against the float64 reference."""
+    prefixes = list(range(0, 400, 9))
+    exts = [4] * len(prefixes)
+    batch = _batch(prefixes, exts, 9, 3, 64, seed=5, slots=12000)
+    out = ops.extend_attention(*batch, 0.125)
+    ref = _reference(*batch, 0.125)
+    err = (out.double() - ref).abs()
+    assert err.max().item() <= 2 * _sdpa_bf16_error(*batch, 0.125, ref) + 8e-3, err.max().item()
+    assert err.mean().item() <= 2 * (ref.bfloat16().double() - ref).abs().mean().item(), err.mean().item()
+
+
 def test_request_groups_under_a_small_pack_budget_give_the_same_output():
     batch = _batch([0, 500, 64, 10], [100, 90, 300, 33], 9, 3, 64, seed=1)
     whole = ops.extend_attention(*batch, 0.125)
