@@ -4,14 +4,17 @@
 // block's rows are spread evenly over micro-tiles of at most MR rows (32 rows, MR 6:
 // 6,6,5,5,5,5), as the int8 GEMM does.
 //
-// Each thread takes one contiguous range of micro-tiles in that order, so it knows which panel
-// it multiplies next: a tile is told that panel and its own share of it (micro-tile s of
+// Each thread takes one contiguous range of micro-tiles in that order (or, past one row block,
+// claims them a task at a time from one end of its range: run_two_ended), so it knows which
+// panel it multiplies next: a tile is told that panel and its own share of it (micro-tile s of
 // steps), to fetch into L2 while it computes (NextPanel). Which thread computes an output does
 // not change its value.
 #pragma once
 
 #include <stdint.h>
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
 #include <omp.h>
 
@@ -74,15 +77,72 @@ void run_row_share(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t
   }
 }
 
+// Past one row block the split is dynamic, in units of at most kUnitTiles micro-tiles of one
+// task (a whole task of a 96-row block): the static shares above, equal in rows, still ended
+// ~80 us apart on average (2% of a 1,024-row GEMM; at random, not one thread always last), and
+// the thread done first spun at the barrier. The threads go in pairs, each pair over one
+// contiguous segment of the units, one from its front and one from its back, claiming a unit at
+// a time from a shared count until they meet: each still runs a contiguous range in order and
+// can fetch its next panel, and they end within a unit (~30 us at K 576) of each other.
+constexpr int kUnitTiles = 16;
+
+struct alignas(64) Claimed {  // a segment's count of claimed units, on its own cache line
+  std::atomic<int64_t> n;
+};
+
+template <int MR, typename Tile>
+void run_two_ended(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t id, Claimed* claimed, Tile&& tile) {
+  const int64_t blocks = (M + row_block - 1) / row_block;
+  const auto rows_of = [&](int64_t b) { return std::min(M, (b + 1) * row_block) - b * row_block; };
+  const auto steps_of = [](int64_t rows) { return (rows + MR - 1) / MR; };
+  const auto parts_of = [&](int64_t b) { return (steps_of(rows_of(b)) + kUnitTiles - 1) / kUnitTiles; };
+  const int64_t per_block = panels * parts_of(0);  // units of a full block (all but maybe the last)
+  const int64_t units = (blocks - 1) * per_block + panels * parts_of(blocks - 1);
+  struct Unit {
+    int64_t b;
+    int p, part;
+  };
+  const auto unit_at = [&](int64_t u) {
+    const int64_t b = std::min(blocks - 1, u / per_block), r = u - b * per_block, parts = parts_of(b);
+    return Unit{b, (int)(r / parts), (int)(r % parts)};
+  };
+  // This thread's segment [lo, hi) of the units (a pair's: two shares; an odd count's last
+  // thread has one alone), and its direction in it.
+  const int64_t seg = id / 2, first = 2 * seg, last = std::min(nt, first + 2);
+  const int64_t lo = units * first / nt, hi = units * last / nt;
+  const bool back = id % 2 == 1;
+  for (int64_t i = 0;; ++i) {
+    if (claimed[seg].n.fetch_add(1, std::memory_order_relaxed) >= hi - lo) return;
+    const int64_t u = back ? hi - 1 - i : lo + i, nu = back ? u - 1 : u + 1;
+    const Unit t = unit_at(u);
+    const int next = nu >= lo && nu < hi && unit_at(nu).p != t.p ? unit_at(nu).p : -1;
+    const int64_t rows_b = rows_of(t.b), steps = steps_of(rows_b);
+    const int64_t base = rows_b / steps, extra = rows_b % steps;
+    const int64_t s0 = (int64_t)t.part * kUnitTiles, s1 = std::min(steps, s0 + kUnitTiles);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t m0 = s * base + std::min(s, extra);
+      tile(t.b * row_block + m0, (int)(base + (s < extra ? 1 : 0)), t.p,
+           NextPanel{next, (int)(s - s0), (int)(s1 - s0)});
+    }
+  }
+}
+
 // tile(m0, rows, p, next): rows (1..MR) activation rows from m0 on, times panel p; each thread
-// its run_row_share.
+// its run_row_share (one row block) or run_two_ended (more).
 template <int MR, typename Tile>
 void run_gemm_tasks(int64_t M, int N, int K, int NR, int64_t row_block, int nthreads, Tile&& tile) {
   if (M <= 0) return;
   const int panels = (N + NR - 1) / NR;
   const bool parallel = (int64_t)M * N * K >= (int64_t)1 << 20;
+  if (!parallel || nthreads < 2 || M <= row_block) {
 #pragma omp parallel num_threads(nthreads) if (parallel)
-  run_row_share<MR>(M, panels, row_block, omp_get_num_threads(), omp_get_thread_num(), tile);
+    run_row_share<MR>(M, panels, row_block, omp_get_num_threads(), omp_get_thread_num(), tile);
+    return;
+  }
+  std::vector<Claimed> claimed(nthreads / 2 + 1);
+  for (auto& c : claimed) c.n.store(0, std::memory_order_relaxed);
+#pragma omp parallel num_threads(nthreads)
+  run_two_ended<MR>(M, panels, row_block, omp_get_num_threads(), omp_get_thread_num(), claimed.data(), tile);
 }
 
 }  // namespace radixlm

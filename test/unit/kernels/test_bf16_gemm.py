@@ -97,10 +97,10 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_come_with_it(m, k, n):
 
 @pytest.mark.parametrize("m", [97, 100, 150, 193, 289, 1000])
 def test_every_thread_count_writes_every_output_once_the_same(m: int):
-    """Several 96-row blocks are shared between the threads by micro-tile (gemm_tasks.h
-    run_row_share), a block and a panel often split between two threads: with 1-5 threads
-    (more than the cores is fine), every output of a NaN-filled buffer is written, and its bits
-    are the one-thread result's."""
+    """Several 96-row blocks are claimed task by task by pairs of threads from both ends of
+    their segment (gemm_tasks.h run_two_ended; an odd count's last thread alone): with 1-5
+    threads (more than the cores is fine), every output of a NaN-filled buffer is written, and
+    its bits are the one-thread result's."""
     k, n = 64, 200  # 4 panels, the last a partial one
     if ops.bf16_gemm_amx():
         pytest.skip("the AMX path has its own task split (bf16_gemm_amx.h)")

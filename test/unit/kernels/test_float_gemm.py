@@ -61,9 +61,9 @@ def test_pack_weight_layout():
 
 @pytest.mark.parametrize("m", [193, 200, 385, 1000])
 def test_every_thread_count_writes_every_output_once_the_same(m: int):
-    """Several 192-row blocks are shared between the threads by micro-tile (gemm_tasks.h
-    run_row_share): with 1-5 threads every output of a NaN-filled buffer is written, and its
-    bits are the one-thread result's."""
+    """Several 192-row blocks (two claims of 16 micro-tiles a task) are claimed by pairs of
+    threads from both ends of their segment (gemm_tasks.h run_two_ended): with 1-5 threads
+    every output of a NaN-filled buffer is written, and its bits are the one-thread result's."""
     k, n = 40, 72  # 5 panels of 16, the last a partial one
     g = torch.Generator().manual_seed(m)
     w = torch.randn(n, k, generator=g)
