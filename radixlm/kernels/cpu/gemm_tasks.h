@@ -36,6 +36,21 @@ struct NextPanel {
   int end(int n) const { return fetches() ? (int)((int64_t)n * s / (steps - 1)) : 0; }
 };
 
+// M activation rows in blocks of row_block; a block's rows spread evenly over its micro-tiles
+// of at most MR rows (the first rows % steps of them one row longer).
+template <int MR>
+struct RowBlocks {
+  int64_t M, row_block;
+  int64_t count() const { return (M + row_block - 1) / row_block; }
+  int64_t rows(int64_t b) const { return std::min(M, (b + 1) * row_block) - b * row_block; }
+  static int64_t steps(int64_t rows) { return (rows + MR - 1) / MR; }
+  // Micro-tile s of a block of `rows` rows: its first row in the block, and its rows.
+  static int64_t tile_start(int64_t rows, int64_t s) {
+    return s * (rows / steps(rows)) + std::min(s, rows % steps(rows));
+  }
+  static int tile_rows(int64_t rows, int64_t s) { return (int)(rows / steps(rows) + (s < rows % steps(rows) ? 1 : 0)); }
+};
+
 // Thread id's share: the micro-tiles, in (row block, panel) order, whose middle row falls in the
 // id-th of nt equal shares of the M x panels rows to multiply. A task may be split between two
 // threads (both read its panel): a decode batch (one row block) is split by micro-tiles, not
@@ -46,32 +61,30 @@ struct NextPanel {
 // 700 rows took 1.1-1.9x as long).
 template <int MR, typename Tile>
 void run_row_share(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t id, Tile&& tile) {
-  const int64_t blocks = (M + row_block - 1) / row_block, per_full_block = row_block * panels;
+  using RB = RowBlocks<MR>;
+  const RB rb{M, row_block};
+  const int64_t blocks = rb.count(), per_full_block = row_block * panels;
   const int64_t lo = M * panels * id / nt, hi = M * panels * (id + 1) / nt;
-  const auto rows_of = [&](int64_t b) { return std::min(M, (b + 1) * row_block) - b * row_block; };
-  const auto steps_of = [](int64_t rows) { return (rows + MR - 1) / MR; };
-  // Task (b, p) covers rows [b * per_full_block + p * rows_of(b), + rows_of(b)) of the order.
+  // Task (b, p) covers rows [b * per_full_block + p * rb.rows(b), + rb.rows(b)) of the order.
   int64_t b = std::min(blocks - 1, lo / per_full_block);
-  int p = (int)((lo - b * per_full_block) / rows_of(b));
+  int p = (int)((lo - b * per_full_block) / rb.rows(b));
   for (; b < blocks; ++b, p = 0) {
-    const int64_t rows_b = rows_of(b), steps = steps_of(rows_b);
-    const int64_t base = rows_b / steps, extra = rows_b % steps;
+    const int64_t rows_b = rb.rows(b), steps = RB::steps(rows_b);
     for (; p < panels; ++p) {
       const int64_t first = b * per_full_block + p * rows_b;
       if (first >= hi) return;
       // The next task's panel is fetched while this one computes when this thread also
       // takes that task's first micro-tile.
       const bool last_panel = p + 1 == panels;
-      const int64_t next_rows = last_panel ? (b + 1 < blocks ? rows_of(b + 1) : 0) : rows_b;
+      const int64_t next_rows = last_panel ? (b + 1 < blocks ? rb.rows(b + 1) : 0) : rows_b;
       const int64_t next_first = first + rows_b;
-      const int64_t next_tile_rows = next_rows ? (next_rows + steps_of(next_rows) - 1) / steps_of(next_rows) : 0;
+      const int64_t next_tile_rows = next_rows ? RB::tile_rows(next_rows, 0) : 0;
       const int next = next_rows && 2 * next_first + next_tile_rows < 2 * hi ? (last_panel ? 0 : p + 1) : -1;
-      int64_t m0 = 0;
       for (int64_t s = 0; s < steps; ++s) {
-        const int rows = (int)(base + (s < extra ? 1 : 0));
+        const int64_t m0 = RB::tile_start(rows_b, s);
+        const int rows = RB::tile_rows(rows_b, s);
         const int64_t mid2 = 2 * (first + m0) + rows;  // twice the tile's middle row in the order
         if (mid2 >= 2 * lo && mid2 < 2 * hi) tile(b * row_block + m0, rows, p, NextPanel{next, (int)s, (int)steps});
-        m0 += rows;
       }
     }
   }
@@ -92,10 +105,10 @@ struct alignas(64) Claimed {  // a segment's count of claimed units, on its own 
 
 template <int MR, typename Tile>
 void run_two_ended(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t id, Claimed* claimed, Tile&& tile) {
-  const int64_t blocks = (M + row_block - 1) / row_block;
-  const auto rows_of = [&](int64_t b) { return std::min(M, (b + 1) * row_block) - b * row_block; };
-  const auto steps_of = [](int64_t rows) { return (rows + MR - 1) / MR; };
-  const auto parts_of = [&](int64_t b) { return (steps_of(rows_of(b)) + kUnitTiles - 1) / kUnitTiles; };
+  using RB = RowBlocks<MR>;
+  const RB rb{M, row_block};
+  const int64_t blocks = rb.count();
+  const auto parts_of = [&](int64_t b) { return (RB::steps(rb.rows(b)) + kUnitTiles - 1) / kUnitTiles; };
   const int64_t per_block = panels * parts_of(0);  // units of a full block (all but maybe the last)
   const int64_t units = (blocks - 1) * per_block + panels * parts_of(blocks - 1);
   struct Unit {
@@ -115,15 +128,13 @@ void run_two_ended(int64_t M, int panels, int64_t row_block, int64_t nt, int64_t
     if (claimed[seg].n.fetch_add(1, std::memory_order_relaxed) >= hi - lo) return;
     const int64_t u = back ? hi - 1 - i : lo + i, nu = back ? u - 1 : u + 1;
     const Unit t = unit_at(u);
-    const int next = nu >= lo && nu < hi && unit_at(nu).p != t.p ? unit_at(nu).p : -1;
-    const int64_t rows_b = rows_of(t.b), steps = steps_of(rows_b);
-    const int64_t base = rows_b / steps, extra = rows_b % steps;
+    const int next_p = nu >= lo && nu < hi ? unit_at(nu).p : -1;
+    const int next = next_p != t.p ? next_p : -1;  // the same panel needs no fetch
+    const int64_t rows_b = rb.rows(t.b), steps = RB::steps(rows_b);
     const int64_t s0 = (int64_t)t.part * kUnitTiles, s1 = std::min(steps, s0 + kUnitTiles);
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t m0 = s * base + std::min(s, extra);
-      tile(t.b * row_block + m0, (int)(base + (s < extra ? 1 : 0)), t.p,
+    for (int64_t s = s0; s < s1; ++s)
+      tile(t.b * row_block + RB::tile_start(rows_b, s), RB::tile_rows(rows_b, s), t.p,
            NextPanel{next, (int)(s - s0), (int)(s1 - s0)});
-    }
   }
 }
 
