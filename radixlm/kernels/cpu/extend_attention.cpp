@@ -256,8 +256,8 @@ __attribute__((always_inline)) inline __mmask16 move_maxima(__m512 (*s)[S], cons
   return up;
 }
 
-// The whole online softmax of one block, shared by attend_rows' 32-key blocks and
-// attend_rows_amx: move_maxima, then the weights. l: the rows' sums of weights; pb[r]: row r's
+// The whole online softmax of one block, for attend_rows_amx (attend_rows pipelines the same
+// two halves): move_maxima, then the weights. l: the rows' sums of weights; pb[r]: row r's
 // weights rounded to bf16, keys in order (NT * 32 bytes). Returns the rows whose maximum moved.
 template <int R, int NT = kTiles>
 __attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT], const int64_t* kend,
@@ -330,7 +330,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
   auto block_start = [&](int64_t i) { return i < nwide ? i * kWide : nwide * kWide + (i - nwide) * kKeys; };
   alignas(64) __m512 sw[2][kRows][kWideTiles];  // block i's scores, and block i - 1's
   alignas(64) uint32_t pbw[kRows][kWide / 2];   // block i - 1's weights
-  alignas(64) float mc[kRows], corr_e[16];      // block i - 1's m * c, and its corrections
+  alignas(64) float corr_e[16];                 // block i - 1's corrections
   __mmask16 up_e = 0;
   __m512 rsum = _mm512_setzero_ps();
   // Step i with NT tiles in block i (0: past the last) and NTE in block i - 1 (0: none).
@@ -340,7 +340,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     __m512 (*se)[kWideTiles] = sw[(i + 1) & 1];
     auto unit = [&](int u) __attribute__((always_inline)) {  // row u / (NTE / 2), tiles 2 (u % (NTE / 2)), + 1
       const int r = u / (NTE / 2), t = 2 * (u % (NTE / 2));
-      const __m512 vmc = _mm512_set1_ps(mc[r]);
+      const __m512 vmc = _mm512_set1_ps(m[r] * c);  // block i - 1's (block i's move after)
       const __m512 p0 = exp2_512_table(_mm512_fmsub_ps(se[r][t], vc, vmc));  // masked keys: 0
       const __m512 p1 = exp2_512_table(_mm512_fmsub_ps(se[r][t + 1], vc, vmc));
       _mm512_store_si512(pbw[r] + 8 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
@@ -371,7 +371,6 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     }
     if constexpr (NT > 0) {
       up_e = move_maxima<kRows, NT, kWideTiles>(sw[i & 1], rows.kend, kb, kb + 16 * NT > kmin, c, m, corr_e);
-      for (int r = 0; r < kRows; ++r) mc[r] = m[r] * c;
     }
   };
   using Wide = std::integral_constant<int, kWideTiles>;
@@ -406,10 +405,10 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
 #ifdef RADIXLM_BF16_AMX
 // The same attention on AMX tiles, for D 32 and 64: 16 query rows per tile; per 32-key block
 // S = Q K^T is D / 16 tile products into two C tiles (tiles 4-5), stored for the AVX-512 online
-// softmax above (the same masks, lazy rescaling and exponential) while the tiles go on to the
-// next block's S, and P @ V adds D / 16 tile products into O, which stays in C tiles
-// 0 .. D/16 - 1 across the blocks: it leaves them only when a row's maximum moves (rescaled in
-// memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K
+// softmax above (softmax_block: the same masks and lazy rescaling, the polynomial exponential)
+// while the tiles go on to the next block's S, and P @ V adds D / 16 tile products into O, which
+// stays in C tiles 0 .. D/16 - 1 across the blocks: it leaves them only when a row's maximum
+// moves (rescaled in memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K
 // tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's B layout as they are, 64 and 4 D
 // bytes a row apart. (Computed transposed, S^T = K Q^T with a vertical softmax, it measured
 // slower: docs/roofline.md, session 29.)
