@@ -36,9 +36,12 @@ def _serve(ns: argparse.Namespace) -> int:
     if ns.dp_size > 1:
         from radixlm.srt.fleet.launch import FleetOptions, launch_dp
 
-        if ns.speculative_algorithm is not None:
-            raise SystemExit("radixlm: --speculative-algorithm with --dp-size > 1 is refused: speculation has not "
-                             "been tested behind the fleet's gateway (each replica would draft on its own index)")
+        from radixlm.feature_rules import check_fleet_features
+
+        try:
+            check_fleet_features(ns.dp_size, ns.speculative_algorithm)
+        except ValueError as e:
+            raise SystemExit(f"radixlm: {e}") from None
 
         options = FleetOptions(ns.dp_size, ns.dp_router, ns.dp_policy)
         return launch_dp(ServerArgs.from_cli_args(ns), options, served_model_name=ns.served_model_name)

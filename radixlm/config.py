@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from radixlm.feature_rules import check_server_features
+
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
@@ -213,6 +215,8 @@ class ServerArgs:
                                             "get_server_info's gc entry either way", default=0.0)
     random_seed: int = _opt("seed of the sampling generators", default=0)
     stream_interval: int = _opt("tokens between streamed chunks", default=1)
+    decode_log_interval: int = _opt("decode steps between two 'Decode batch' log lines (info level; every "
+                                    "prefill batch logs one 'Prefill batch' line)", default=40)
     debug_check_integrity: bool = _opt("check every pool and tree invariant after every step",
                                        default=False)
     log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
@@ -260,7 +264,7 @@ class ServerArgs:
             max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
             request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
             stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity,
-            speculative=self.ngram_config())
+            speculative=self.ngram_config(), decode_log_interval=self.decode_log_interval)
 
     def ngram_config(self) -> "NgramConfig | None":
         """The n-gram drafter's flags (None: speculation off); NgramConfig checks them."""
@@ -330,15 +334,13 @@ class ServerArgs:
             raise ValueError("max_top_logprobs_num must be >= 0")
         if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
             raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
-        if self.disaggregation_mode != "null" and self.tp_size > 1:
-            raise ValueError("disaggregation_mode prefill/decode runs with tp_size 1 for now")
         if self.disaggregation_transfer_timeout <= 0:
             raise ValueError("disaggregation_transfer_timeout must be > 0 seconds")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
-        if self.speculative_algorithm is not None:
-            from radixlm.speculative.setup import check_speculative_args
-            check_speculative_args(self)
+        if self.decode_log_interval < 1:
+            raise ValueError("decode_log_interval must be >= 1")
+        check_server_features(self)  # which feature combinations are refused (feature_rules.py)
         for f in dataclasses.fields(self):
             choices = field_choices(f.name, f.metadata)
             if choices and getattr(self, f.name) not in choices:

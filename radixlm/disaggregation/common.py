@@ -10,7 +10,7 @@ from typing import Any
 from radixlm.disaggregation.kv_pages import KVBuffers
 from radixlm.disaggregation.links import Link
 from radixlm.disaggregation.protocol import PING, decode, encode
-from radixlm.scheduler.scheduler import Scheduler
+from radixlm.scheduler.port import RequestOps, TransferHooks
 
 __all__ = ["TransferConfig", "TransferStats", "PeerBook", "TransferSide"]
 
@@ -81,9 +81,9 @@ class PeerBook:
 
 
 @dataclass
-class TransferSide:
-    """What both sides are built from: the scheduler they drive, their link and KV buffers."""
-    scheduler: Scheduler
+class TransferSide(TransferHooks):
+    """What both sides are built from: their link and KV buffers. Built before the scheduler,
+    handed to its constructor, which binds it to the port it acts through (`ops`)."""
     link: Link
     kv_buffers: KVBuffers
     config: TransferConfig = field(default_factory=TransferConfig)
@@ -91,6 +91,16 @@ class TransferSide:
 
     def __post_init__(self) -> None:
         self.peers = PeerBook(self.link, self.config)
+        self._ops: RequestOps | None = None
+
+    def bind(self, ops: RequestOps) -> None:
+        self._ops = ops
+
+    @property
+    def ops(self) -> RequestOps:
+        if self._ops is None:
+            raise RuntimeError("this disaggregation side was never handed to a scheduler")
+        return self._ops
 
     @property
     def clock(self) -> Callable[[], float]:

@@ -29,7 +29,7 @@ from radixlm.disaggregation.common import TransferSide
 from radixlm.disaggregation.kv_pages import layout, write_chunk
 from radixlm.disaggregation.protocol import (ABORT, ACK, DONE, HELLO, KV, WANT, RoomKey, bootstrap_of, checksum,
                                              encode, num_chunks, room_key)
-from radixlm.scheduler.output import append_token
+from radixlm.scheduler.settle import settle_prefilled
 from radixlm.scheduler.requests import Place
 
 __all__ = ["DecodeTransfer"]
@@ -63,14 +63,14 @@ class DecodeTransfer(TransferSide):
         if boot is None or req.sampling_params.max_new_tokens == 0:
             return False  # nothing to decode: computed here
         if req.sampling_params.grammar is not None:
-            self.scheduler.finish(req, FinishReason.abort(
+            self.ops.finish(req, FinishReason.abort(
                 "structured output is not supported with prefill/decode disaggregation yet", 400))
             return True
         if boot.key in self.rooms:
-            self.scheduler.finish(req, FinishReason.abort(f"bootstrap room {boot.room} is already in use", 400))
+            self.ops.finish(req, FinishReason.abort(f"bootstrap room {boot.room} is already in use", 400))
             return True
         self.rooms[boot.key] = DecodeRoom(req, (boot.host, boot.port), self.clock())
-        self.scheduler.requests.put(req, Place.TRANSFER)
+        self.ops.place(req, Place.TRANSFER)
         self.counters.rooms_started += 1
         self.link.send((boot.host, boot.port), encode(HELLO, boot.key))
         self._allocate()
@@ -116,7 +116,7 @@ class DecodeTransfer(TransferSide):
     # ------------------------------------------------------------ allocation
     def _allocate(self) -> None:
         """Bind waiting rooms to slots, in arrival order (the first that does not fit waits)."""
-        cache = self.scheduler.cache
+        cache = self.ops.cache
         for key, room in list(self.rooms.items()):
             if room.allocated or room.complete:
                 continue
@@ -129,7 +129,7 @@ class DecodeTransfer(TransferSide):
                 cache.release(req, insert=False)
                 return
             cache.note_admission(req, match)
-            req.admit_time = self.scheduler.ranks.now()
+            req.admit_time = self.ops.now()
             room.allocated, room.since = True, self.clock()
             room.start, room.count = len(match), need
             ct = self.config.chunk_tokens
@@ -164,7 +164,7 @@ class DecodeTransfer(TransferSide):
             room.peer_aborted = True
             self.counters.rooms_aborted_by_peer += 1
             status = int(header[3])
-            self.scheduler.stop(room.req, FinishReason.abort(str(header[2]), status if status != 200 else 500))
+            self.ops.stop(room.req, FinishReason.abort(str(header[2]), status if status != 200 else 500))
         else:
             self.counters.dropped_messages += 1
 
@@ -178,11 +178,8 @@ class DecodeTransfer(TransferSide):
         if (b, c) in room.received:
             self.counters.duplicate_chunks += 1
             return
-        req = room.req
-        assert req.req_pool_idx is not None
-        row = self.scheduler.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
         lo = room.start + c * ct
-        slots = row[lo:min(lo + ct, room.start + room.count)]
+        slots = self.ops.cache.slots_of(room.req, lo, min(ct, room.start + room.count - lo))
         try:
             write_chunk(buffers[b], slots, payload)
         except ValueError:
@@ -199,27 +196,21 @@ class DecodeTransfer(TransferSide):
     def _maybe_complete(self, room: DecodeRoom) -> None:
         if room.done is None or len(room.received) != room.expected:
             return
-        s, req = self.scheduler, room.req
+        ops, req = self.ops, room.req
         room.complete = True
         self.counters.rooms_completed += 1
         if room.first_chunk_time is not None:
             self.counters.transfer_seconds += time.perf_counter() - room.first_chunk_time
         self.link.send(room.peer, encode(ACK, room_key(req)))
-        s.cache.commit(req, room.count)
+        ops.cache.commit(req, room.count)
         token, logprob, top = room.done
-        req.first_token_time = time.perf_counter()
-        append_token(req, token, logprob if req.return_logprob else None, top)
-        req.check_finished()
-        s.stop_checker.check(req)
-        if req.finish_reason is not None:
-            s.finish(req, req.finish_reason)
-            return
-        s.cache.cache_prefill(req)  # what it received is in this server's tree from now on
-        s.requests.put(req, Place.RUNNING)
-        s.stream_if_due(req)
+        # the prefill server's first token, through the same finish rules as a local one; then
+        # what it received is in this server's tree, and it decodes here
+        ops.advance(req, [token], [logprob if req.return_logprob else None], [top], None)
+        settle_prefilled(ops, req)
 
     def _fail(self, room: DecodeRoom, message: str) -> None:
-        self.scheduler.stop(room.req, FinishReason.abort(message, 500))
+        self.ops.stop(room.req, FinishReason.abort(message, 500))
 
     def _expire(self) -> None:
         limit = self.config.timeout_s
@@ -227,6 +218,6 @@ class DecodeTransfer(TransferSide):
             if self.peers.silent_since(room.peer, room.since) > limit and room.req.to_finish is None \
                     and not room.req.finished:
                 self.counters.rooms_timed_out += 1
-                self.scheduler.stop(room.req, FinishReason.abort(
+                self.ops.stop(room.req, FinishReason.abort(
                     f"KV transfer timed out: nothing from the prefill server {room.peer[0]}:{room.peer[1]} "
                     f"for {limit:g} s", 503))

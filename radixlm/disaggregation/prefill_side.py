@@ -5,7 +5,7 @@ a shared prefix is computed once and sent many times). When its prefill is done 
 token sampled, it moves to `Place.TRANSFER` instead of decoding: its prompt KV is published in
 the tree (`cache_prefill`) and stays locked by the request, its unaligned tail stays its own.
 Once the decode server's WANT names the token range it needs, every chunk is sent and then
-DONE with the first token; the request ends (its one exit, `Scheduler.stop`) only on the
+DONE with the first token; the request ends (its one exit, `RequestOps.stop`) only on the
 decode server's ACK, its ABORT, or a timeout. So its source pages are held until the transfer
 is done or cancelled: what a one-sided (RDMA) backend, which reads them after `send`
 returns, needs (docs/disaggregation.md).
@@ -75,7 +75,7 @@ class PrefillTransfer(TransferSide):
             return False
         key = room_key(req)
         if key in self.rooms:
-            self.scheduler.finish(req, FinishReason.abort(f"bootstrap room {key.room} is already in use", 400))
+            self.ops.finish(req, FinishReason.abort(f"bootstrap room {key.room} is already in use", 400))
             return True
         room = PrefillRoom(req, since=self.clock())
         early = self.early.pop(key, None)
@@ -90,8 +90,8 @@ class PrefillTransfer(TransferSide):
         if room is None or not req.output_ids or (req.finish_reason is not None and req.finish_reason.type == "abort"):
             return False
         room.first_finish, req.finish_reason = req.finish_reason, None  # it ends when acked
-        self.scheduler.cache.cache_prefill(req)  # shared with later requests; still locked by this one
-        self.scheduler.requests.put(req, Place.TRANSFER)
+        self.ops.cache.cache_prefill(req)  # shared with later requests; still locked by this one
+        self.ops.place(req, Place.TRANSFER)
         room.prefilled, room.since = True, self.clock()
         self._try_send(room)
         return True
@@ -161,14 +161,14 @@ class PrefillTransfer(TransferSide):
                 self.counters.rooms_completed += 1
                 req = room.req
                 reason = room.first_finish or FinishReason("length", length=len(req.output_ids))
-                self.scheduler.stop(req, reason)
+                self.ops.stop(req, reason)
         elif kind == ABORT:
             self.early.pop(key, None)
             if room is not None:
                 room.peer_aborted = True
                 self.counters.rooms_aborted_by_peer += 1
                 if room.req.to_finish is None and not room.req.finished:
-                    self.scheduler.stop(room.req, FinishReason.abort(f"the decode server ended it: {header[2]}",
+                    self.ops.stop(room.req, FinishReason.abort(f"the decode server ended it: {header[2]}",
                                                                      int(header[3])))
         else:
             self.counters.dropped_messages += 1
@@ -185,11 +185,9 @@ class PrefillTransfer(TransferSide):
         elif want.start < 0 or want.start + want.count != n_prompt or want.chunk_tokens < 1:
             error = f"the decode server asked for tokens [{want.start}, {want.start + want.count}) of {n_prompt}"
         if error is not None:
-            self.scheduler.stop(req, FinishReason.abort(error, 500))
+            self.ops.stop(req, FinishReason.abort(error, 500))
             return
-        assert req.req_pool_idx is not None
-        row = self.scheduler.cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-        slots = row[want.start:want.start + want.count]
+        slots = self.ops.cache.slots_of(req, want.start, want.count)
         n = num_chunks(want.count, want.chunk_tokens)
         ok = True
         for b, buf in enumerate(buffers):
@@ -203,7 +201,7 @@ class PrefillTransfer(TransferSide):
         ok = ok and self.link.send(room.peer, encode(DONE, key, n * len(buffers), req.output_ids[0], lp, top))
         room.sent, room.since = True, self.clock()
         if not ok:
-            self.scheduler.stop(req, FinishReason.abort("the decode server cannot be reached", 503))
+            self.ops.stop(req, FinishReason.abort("the decode server cannot be reached", 503))
 
     def _expire(self) -> None:
         now, limit = self.clock(), self.config.timeout_s
@@ -211,7 +209,7 @@ class PrefillTransfer(TransferSide):
             if self.peers.silent_since(room.peer, room.since) > limit and room.req.to_finish is None:
                 self.counters.rooms_timed_out += 1
                 what = "asked for its KV" if room.want is None else "acknowledged its KV"
-                self.scheduler.stop(room.req, FinishReason.abort(
+                self.ops.stop(room.req, FinishReason.abort(
                     f"KV transfer timed out: the decode server never {what} within {limit:g} s", 503))
         for key, early in list(self.early.items()):
             if now - early.since > limit:  # the request never came here

@@ -208,6 +208,11 @@ class CacheManager:
         return loc
 
     # ---------------------------------------------------------------- after a forward
+    def slots_of(self, req: Req, start: int, n: int) -> torch.Tensor:
+        """The KV slots of `req`'s tokens [start, start + n): what a KV transfer reads or writes
+        (a view of its row; nobody else reaches into req_to_token)."""
+        return self.req_to_token_pool.req_to_token[self._idx(req), start:start + n]
+
     def commit(self, req: Req, num_tokens: int) -> None:
         """`num_tokens` more of the allocated slots now hold computed KV."""
         req.kv_committed_len += num_tokens

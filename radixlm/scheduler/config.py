@@ -31,3 +31,4 @@ class SchedulerConfig:
     stream_interval: int = 1
     debug_check_integrity: bool = False
     speculative: NgramConfig | None = None  # n-gram speculative decoding (scheduler/speculation.py)
+    decode_log_interval: int = 40  # decode steps between two "Decode batch" info lines (step_log.py)

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 
 from radixlm.core import FinishReason, Req
 from radixlm.sampling_params import SamplingParams
-from radixlm.scheduler.batch import BatchResult, WorkerBatch
+from radixlm.scheduler.batch import BatchResult, ModelRunnerProtocol, WorkerBatch
+from radixlm.scheduler.port import RequestOps
 from radixlm.scheduler.prefill import AddStatus, PrefillAdder
 from radixlm.scheduler.requests import Place
 
 if TYPE_CHECKING:
     from radixlm.messages import TokenizedGenerateReq
     from radixlm.scheduler.overlap import InFlight
-    from radixlm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,15 @@ def _reason(stage: str, exc: BaseException) -> FinishReason:
 
 
 class ErrorBoundary:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    def __init__(self, ops: RequestOps, runner: ModelRunnerProtocol) -> None:
+        self.ops = ops
+        self.runner = runner  # replays run a batch's rows one by one
         # overlap: the launched batch that must be replayed (it may have read a failed batch's tokens)
         self._replay_next: InFlight | None = None
 
     # ------------------------------------------------------------------ one request
     def _log(self, req_rid: str, stage: str, exc: BaseException) -> None:
-        self.s.stats.num_request_errors += 1
+        self.ops.stats.num_request_errors += 1
         logger.error("request %s failed while %s; ending it alone:\n%s", req_rid, stage,
                      "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
@@ -68,21 +69,21 @@ class ErrorBoundary:
         except Exception as e:  # noqa: BLE001 - the boundary's purpose
             self._log(req.rid, stage, e)
             req.finish_reason = _reason(stage, e)
-            self.s.cache.poison(req)
+            self.ops.cache.poison(req)
 
     def reject(self, msg: TokenizedGenerateReq, exc: BaseException) -> None:
         """A new request the scheduler could not take in: answer it (500), wherever it got to."""
         self._log(msg.rid, "being admitted", exc)
-        s = self.s
+        ops = self.ops
         reason = _reason("being admitted", exc)
-        held = s.requests.find(lambda r: r.rid == msg.rid, Place.WAITING, Place.GRAMMAR)
+        held = ops.find(lambda r: r.rid == msg.rid, Place.WAITING, Place.GRAMMAR)
         for req in held:
-            s.stop(req, reason)
+            ops.stop(req, reason)
         if not held:
             stub = Req(rid=msg.rid, origin_input_ids=[], sampling_params=SamplingParams())
             stub.finish_reason = reason
-            s._emit(stub)
-        s._flush_outputs()
+            ops.emit(stub)
+        ops.flush()
 
     def admit(self, adder: PrefillAdder, req: Req) -> AddStatus:
         """adder.add_one_req(req); a request whose admission raises is taken out of the batch
@@ -99,8 +100,8 @@ class ErrorBoundary:
                     del column[i]
                 if plan.new_chunked_req is req:
                     plan.new_chunked_req = None
-            self.s.cache.poison(req)
-            self.s.finish(req, _reason("being scheduled", e), insert=False)
+            self.ops.cache.poison(req)
+            self.ops.finish(req, _reason("being scheduled", e), insert=False)
             return AddStatus.CONTINUE
 
     # ------------------------------------------------------------------ forwards
@@ -109,8 +110,9 @@ class ErrorBoundary:
         """Overlap: the batch in flight is to be replayed; process it before building another."""
         return self._replay_next is not None
 
-    def resolve(self, launched: InFlight) -> BatchResult:
-        """The result of a launched batch, or its replay row by row if it failed."""
+    def resolve(self, launched: InFlight, next_launched: InFlight | None) -> BatchResult:
+        """The result of a launched batch, or its replay row by row if it failed
+        (`next_launched`: the batch launched after it, overlap only)."""
         if launched is self._replay_next:
             self._replay_next = None
             _settle(launched)
@@ -118,7 +120,7 @@ class ErrorBoundary:
         try:
             return launched.result()
         except Exception as e:  # noqa: BLE001
-            nxt = self.s.in_flight
+            nxt = next_launched
             if nxt is not None and nxt is not launched:  # launched on this batch's tokens: let it end, then redo it
                 _settle(nxt)
                 self._replay_next = nxt
@@ -127,8 +129,7 @@ class ErrorBoundary:
     def replay(self, batch: WorkerBatch, error: BaseException | None) -> BatchResult:
         """Run each request of `batch` alone; those that fail alone are ended (to_finish, a
         500 abort, consumed by the normal result processing), the others get their result."""
-        s = self.s
-        s.stats.num_batch_replays += 1
+        self.ops.stats.num_batch_replays += 1
         if error is not None:
             logger.error("a %s batch of %d requests failed; running them one by one:\n%s", batch.mode,
                          len(batch.reqs), "".join(traceback.format_exception(type(error), error,
@@ -147,8 +148,8 @@ class ErrorBoundary:
                 self._fail_row(req, RuntimeError("its grammar had advanced when the batch failed"))
                 continue
             try:
-                s.cache.before_forward()  # HiCache: the loads the row reads have landed
-                res = s.runner.launch(_row(batch, i, lo), None).result()
+                self.ops.cache.before_forward()  # HiCache: the loads the row reads have landed
+                res = self.runner.launch(_row(batch, i, lo), None).result()
             except Exception as e:  # noqa: BLE001
                 self._fail_row(req, e)
                 continue
@@ -166,7 +167,7 @@ class ErrorBoundary:
     def _fail_row(self, req: Req, exc: BaseException) -> None:
         self._log(req.rid, "computing its next token", exc)
         req.to_finish = _reason("computing its next token", exc)
-        self.s.cache.poison(req)
+        self.ops.cache.poison(req)
 
 
 def _settle(launched: InFlight) -> None:

@@ -1,13 +1,11 @@
-"""Turning a step's sampled tokens into request progress and outgoing messages."""
+"""Stop strings, the outgoing message of a request, and prompt logprobs (token acceptance is settle.py)."""
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 from radixlm.core import FinishReason, Req
 from radixlm.messages import DetokParams, ReqOutput
 from radixlm.scheduler.batch import BatchResult
-from radixlm.scheduler.grammar_queue import grammar_finish
 from radixlm.stop_regex import first_match, max_match_chars
 
 
@@ -55,16 +53,6 @@ class StopStringChecker:
                 req.finish_reason = FinishReason("stop", matched=hit[2])  # the pattern, as SGLang reports it
 
 
-def append_token(req: Req, token: int, logprob: float | None,
-                 top: list[tuple[float, int]] | None) -> None:
-    req.output_ids.append(token)
-    if req.return_logprob:
-        assert logprob is not None, f"{req.rid}: no logprob for a request that asked for them"
-        req.output_token_logprobs.append((logprob, token))
-        if req.top_logprobs_num > 0:
-            req.output_top_logprobs.append(top or [])
-
-
 def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
     start = req.sent_len
     out = ReqOutput(
@@ -93,23 +81,6 @@ def make_output(req: Req, include_input_logprobs: bool) -> ReqOutput:
             out.input_top_logprobs = list(req.input_top_logprobs)
     req.sent_len = len(req.output_ids)
     return out
-
-
-def accept_token(req: Req, result: BatchResult, i: int, stops: StopStringChecker) -> None:
-    """Row i of a step's result for `req`: its sampled token, then whether it finished (a
-    pending abort wins and drops the token)."""
-    if req.to_finish is not None:
-        req.check_finished()  # consumes the pending abort; the sampled token is dropped
-        return
-    if req.first_token_time is None:
-        req.first_token_time = time.perf_counter()
-    token = result.next_token_ids[i]
-    assert token is not None, f"{req.rid}: no token sampled for a sampling row"
-    append_token(req, token, result.logprobs[i], result.top_logprobs[i])
-    req.check_finished()
-    if result.grammar_status is not None:
-        grammar_finish(req, result.grammar_status[i], token)
-    stops.check(req)
 
 
 def record_input_logprobs(req: Req, targets: list[int], result: BatchResult, i: int) -> None:

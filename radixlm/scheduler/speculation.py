@@ -4,15 +4,15 @@ verified step into request progress with the one KV exit intact (docs/speculativ
 A step: `drafts(reqs)` proposes per running row (own context + cross-request index, cut by the
 adaptive rule and by the memory the step may use without retracting anyone); the batch builder
 allocates the draft slots inside kv_allocated_len (`draft_batch`); the runner verifies; then
-`process_result` feeds the emitted tokens one by one through the ordinary finish checks,
-commits the KV of what was kept and rolls the rest back in the same step. Between steps every
+`process_result` feeds the emitted run through the one acceptance path (`RequestOps.advance`,
+settle.py), commits the KV of what was kept and rolls the rest back in the same step. Between steps every
 running request has kv_allocated_len == kv_committed_len: retraction, pause and abort never
 meet a draft slot.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,16 +20,12 @@ from radixlm.core import Req
 from radixlm.scheduler.batch import BatchResult, WorkerBatch
 from radixlm.scheduler.batch_builder import draft_batch
 from radixlm.scheduler.cache_manager import CacheManager
-from radixlm.scheduler.grammar_queue import grammar_finish
-from radixlm.scheduler.output import append_token
-from radixlm.speculative.acceptance import Verified
+from radixlm.scheduler.port import RequestOps, StepHooks
+from radixlm.scheduler.settle import settle_decoded
 from radixlm.speculative.adaptive import AcceptanceTracker, AdaptiveConfig
 from radixlm.speculative.drafter import NgramConfig, NgramDrafter
 from radixlm.speculative.grammar_drafts import constrain_draft
 from radixlm.speculative.step_cost import StepCost, priced_ratios
-
-if TYPE_CHECKING:
-    from radixlm.scheduler.scheduler import Scheduler
 
 __all__ = ["SpecState", "Speculation", "extra_token_cost"]
 
@@ -69,8 +65,12 @@ class SpecStats:
     spec_dropped_steps: int = 0  # rows whose step was dropped whole (ended while it ran)
 
 
-class Speculation:
-    def __init__(self, config: NgramConfig, cache: CacheManager, max_context_len: int, vocab_size: int) -> None:
+class Speculation(StepHooks):
+    """Built before the scheduler (with the step cost its process measured) and handed to it;
+    a step hook for the index (on_finish) and server_info."""
+
+    def __init__(self, config: NgramConfig, cache: CacheManager, max_context_len: int, vocab_size: int,
+                 step_cost: StepCost | None = None) -> None:
         self.config = config
         self.drafter = NgramDrafter(config)
         self.adaptive = AdaptiveConfig()
@@ -78,9 +78,8 @@ class Speculation:
         self.max_context_len = max_context_len
         self.vocab_size = vocab_size
         self.stats = SpecStats()
-        # Verify-step costs measured on this runner (scheduler_process sets it at start-up);
-        # None: the extra_token_cost line.
-        self.step_cost: StepCost | None = None
+        # Verify-step costs measured on this runner at start-up; None: the extra_token_cost line.
+        self.step_cost = step_cost
         self._costs: dict[int, tuple[float, ...]] = {}  # batch size -> cost(0..num_draft_tokens)
         # this step's grammar rows: id(req) -> the masks of the draft's verified positions
         self._masks: dict[int, torch.Tensor] = {}
@@ -172,10 +171,10 @@ class Speculation:
         self._masks.clear()
 
     # ---------------------------------------------------------------- after the forward
-    def process_result(self, s: Scheduler, batch: WorkerBatch, result: BatchResult) -> None:
+    def process_result(self, ops: RequestOps, batch: WorkerBatch, result: BatchResult) -> None:
         assert batch.drafts is not None
         self.stats.spec_verify_steps += 1
-        finished: list[Req] = []
+        rows: list[Req] = []
         for i, req in enumerate(batch.reqs):
             if req.finished:
                 continue
@@ -187,39 +186,19 @@ class Speculation:
                 self.cache.rollback(req, k + 1)
                 req.check_finished()
                 self.stats.spec_dropped_steps += 1
-                finished.append(req)
+                rows.append(req)
                 continue
             status = result.grammar_status[i] if result.grammar_status is not None else None
-            before = len(req.output_ids)
-            with s.boundary.guard(req, "processing its output"):
-                self._accept_run(s, req, v, status)
-            kept = len(req.output_ids) - before
+            # the matcher saw the whole run: its verdict is on the run's last token
+            kept = ops.advance(req, v.tokens, v.logprobs, v.top_logprobs, status)
             self.stats.spec_cut_runs += kept < len(v.tokens)
             # The kept tokens' inputs (last, d_1..d_{kept-1}) hold KV now; the rest goes back.
             self.cache.commit(req, kept)
             self.cache.rollback(req, k + 1 - kept)
             self._count(req, k, v.truncated(kept).num_accepted if kept else 0)
-            s.stats.num_decode_tokens += max(kept - 1, 0)  # the step's row was counted once already
-            if req.finish_reason is not None:
-                finished.append(req)
-            else:
-                s.stream_if_due(req)
-        for req in finished:
-            assert req.finish_reason is not None
-            s.finish(req, req.finish_reason)
-
-    @staticmethod
-    def _accept_run(s: Scheduler, req: Req, v: Verified, grammar_status: str | None) -> None:
-        """The emitted tokens one at a time through the finish checks; the first that finishes
-        the request ends the run (the rest of it is never delivered)."""
-        for j, token in enumerate(v.tokens):
-            append_token(req, token, v.logprobs[j], v.top_logprobs[j])
-            req.check_finished()
-            if grammar_status is not None and j == len(v.tokens) - 1:
-                grammar_finish(req, grammar_status, token)  # the matcher saw the whole run
-            s.stop_checker.check(req)
-            if req.finish_reason is not None:
-                return
+            ops.stats.num_decode_tokens += max(kept - 1, 0)  # the step's row was counted once already
+            rows.append(req)
+        settle_decoded(ops, rows)
 
     def _count(self, req: Req, drafted: int, accepted: int) -> None:
         st = self.state(req)

@@ -12,6 +12,8 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Sequence
+from typing import Any
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import PortArgs, Receiver, Sender
@@ -34,6 +36,11 @@ class TPRankSync:
         self.control = control
         self.time = time.perf_counter()
 
+    def exchange(self, msgs: list[object]) -> list[object]:
+        """Top of an iteration: rank 0's messages and clock to every rank (the clock is kept)."""
+        got, self.time = self.control.broadcast((msgs, time.perf_counter()))
+        return list(got)
+
     def now(self) -> float:
         return self.time
 
@@ -41,9 +48,12 @@ class TPRankSync:
         return self.control.min_ints(counts)
 
 
-def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
-    """Model runner + prefix cache + cache manager + scheduler, wired together (with `tp`,
-    those of one tensor-parallel rank)."""
+def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None, *, ranks: Any = None,
+                    inbox: Any = None, hooks: Sequence[Any] = ()):
+    """Model runner + prefix cache + cache manager + the features, then the scheduler they are
+    handed to (with `tp`, those of one tensor-parallel rank). `inbox`: overlap on one rank reads
+    it while a forward runs; `hooks`: more step hooks (the process's server_info entries)."""
+    from radixlm.feature_rules import check_runtime_features
     from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
     from radixlm.radix_cache.prefix_cache import DeviceKV
     from radixlm.rank_sync import LOCAL_RANK
@@ -58,7 +68,8 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or runner.model_path)
     # Tensor-parallel ranks share rank 0's clock and ack thread-timed work (HiCache copies,
     # grammar compiles) only once it is done on every rank.
-    ranks = TPRankSync(tp.control) if tp is not None and tp.size > 1 else LOCAL_RANK
+    if ranks is None:
+        ranks = TPRankSync(tp.control) if tp is not None and tp.size > 1 else LOCAL_RANK
     sizes = runner.sizes
     # HiCache mirrors every slot-indexed tensor (K, V and, for an int8 pool, their scales), so a
     # copy moves a slot's whole KV; a callable, since memory release/resume swaps the tensors.
@@ -69,21 +80,25 @@ def build_scheduler(args: ServerArgs, send_output, tp: TPGroup | None = None):
     config = args.scheduler_config(max_running_requests=sizes.max_running_requests,
                                    chunked_prefill_size=sizes.chunked_prefill_size, device=runner.device,
                                    chunk_cost_keys=sizes.chunk_cost_keys)
-    if config.speculative is not None:
-        from radixlm.speculative.setup import check_speculative_runtime
-        check_speculative_runtime(runner.attention_backend_name, config.overlap)
+    check_runtime_features(speculative=config.speculative is not None,
+                           attention_backend=runner.attention_backend_name, overlap=config.overlap)
+    speculation = None
+    if config.speculative is not None:  # priced by what a verify step costs here
+        from radixlm.scheduler.speculation import Speculation
+        from radixlm.srt.model_runner.step_timing import measure_step_cost
+        speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size,
+                                  step_cost=measure_step_cost(runner, config.speculative.num_draft_tokens))
+    transfer = None
+    if args.disaggregation_mode != "null":
+        from radixlm.disaggregation.build import build_transfer
+        transfer = build_transfer(args.disaggregation_mode, host=args.host,
+                                  bootstrap_port=args.disaggregation_bootstrap_port,
+                                  backend=args.disaggregation_transfer_backend,
+                                  timeout_s=args.disaggregation_transfer_timeout,
+                                  kv_buffers=runner.kv_pool.slot_buffers)
     scheduler = Scheduler(config, runner, cache, tokenizer=tokenizer, send_output=send_output,
                           grammar_backend=create_grammar_backend(tokenizer, runner.vocab_size, runner.eos_token_ids),
-                          ranks=ranks)
-    if scheduler.speculation is not None:  # what a verify step costs here, for the draft lengths
-        from radixlm.srt.model_runner.step_timing import measure_step_cost
-        scheduler.speculation.step_cost = measure_step_cost(runner, config.speculative.num_draft_tokens)
-    if args.disaggregation_mode != "null":
-        from radixlm.disaggregation.build import attach_transfer
-        attach_transfer(scheduler, args.disaggregation_mode, host=args.host,
-                        bootstrap_port=args.disaggregation_bootstrap_port,
-                        backend=args.disaggregation_transfer_backend,
-                        timeout_s=args.disaggregation_transfer_timeout, kv_buffers=runner.kv_pool.slot_buffers)
+                          ranks=ranks, speculation=speculation, transfer=transfer, hooks=hooks, inbox=inbox)
     return scheduler, runner
 
 
@@ -91,6 +106,10 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
     """Set-up common to children (parent-death handling, logging) is done by child.py. Rank 0
     talks to the other processes; the other ranks only to rank 0, through torch.distributed."""
     import zmq
+
+    from radixlm.rank_sync import LOCAL_RANK
+    from radixlm.scheduler.port import InfoHook
+    from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
     ctx = zmq.Context()
     inbox = to_detok = None
     try:
@@ -103,14 +122,16 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
         if tp_rank == 0:
             inbox = SchedulerInbox(Receiver(ctx, ports.scheduler_input))
             to_detok = Sender(ctx, ports.detokenizer_input)
-        scheduler, runner = build_scheduler(args, to_detok.send if to_detok else (lambda out: None), tp)
-        if tp is None or tp.size == 1:  # ranks could not agree on when a message arrived
-            scheduler.inbox = inbox
+        ranks = TPRankSync(tp.control) if tp is not None and tp.size > 1 else LOCAL_RANK
+        watch = GCWatch(args.gc_warning_threshold_secs)  # installed once start-up is done
+        scheduler, runner = build_scheduler(
+            args, to_detok.send if to_detok else (lambda out: None), tp, ranks=ranks,
+            # ranks could not agree on when a message arrived: only a single rank watches its inbox
+            inbox=inbox if tp is None or tp.size == 1 else None,
+            hooks=[InfoHook(lambda: {"gc": watch.stats()})])
         # the model and everything start-up built leave the collector's reach (gc_watch.py)
-        from radixlm.srt.gc_watch import GCWatch, freeze_startup_heap
         freeze_startup_heap()
-        watch = GCWatch(args.gc_warning_threshold_secs).install()
-        scheduler.process_info = lambda: {"gc": watch.stats()}
+        watch.install()
         ready.send({"status": "ready", "pid": os.getpid(), "tp_rank": tp_rank,
                     "model_path": runner.model_path, "vocab_size": runner.vocab_size,
                     "max_context_len": runner.max_context_len,
@@ -120,7 +141,8 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
         ready.error(e)
         return
     try:
-        event_loop(scheduler, inbox, to_detok, tp.control if tp is not None else ControlChannel())
+        event_loop(scheduler, inbox, to_detok, tp.control if tp is not None else ControlChannel(),
+                   ranks if isinstance(ranks, TPRankSync) else None)
     except Exception:
         logger.error("scheduler%s crashed:\n%s", f" (TP rank {tp_rank})" if tp is not None else "",
                      traceback.format_exc())
@@ -132,7 +154,7 @@ def run_scheduler_process(args: ServerArgs, ports: PortArgs, ready, tp_rank: int
 
 
 def event_loop(scheduler, receiver: SchedulerInbox | None, to_detok: Sender | None,
-               control: ControlChannel | None = None) -> None:
+               control: ControlChannel | None = None, ranks: TPRankSync | None = None) -> None:
     """receiver/to_detok: rank 0's inbox and output socket (None on the other ranks). With more than one rank,
     each iteration starts with rank 0's broadcast of the messages it received and its clock;
     an idle rank 0 waits for its inbox at most IDLE_POLL_MS, so the others hear from it at
@@ -140,8 +162,8 @@ def event_loop(scheduler, receiver: SchedulerInbox | None, to_detok: Sender | No
     control = control or ControlChannel()
     while True:
         msgs = receiver.take_all() if receiver is not None else []
-        if control.size > 1:
-            msgs, scheduler.ranks.time = control.broadcast((msgs, time.perf_counter()))
+        if ranks is not None:  # tensor parallelism: rank 0's messages and clock
+            msgs = ranks.exchange(msgs)
         for msg in msgs:
             if isinstance(msg, ShutdownReq):
                 return

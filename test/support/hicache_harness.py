@@ -96,7 +96,7 @@ class HiHarness(Harness):
 def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | None = None,
                     hicache: bool = True, write_policy: str = "write_through", hicache_ratio: float = 2.0,
                     copy_hook=None, vocab: int = 97, context: int = 1024, page_size: int = 1,
-                    **args) -> HiHarness:
+                    features: dict | None = None, **args) -> HiHarness:
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size, debug_check_integrity=True,
@@ -117,7 +117,7 @@ def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | Non
     h = HiHarness(None, runner, cache, tree=tree)  # type: ignore[arg-type]
     config = server_args.scheduler_config(max_running_requests=max_running, chunked_prefill_size=chunk,
                                           device="cpu")
-    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output)
+    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output, **(features or {}))
     return h
 
 

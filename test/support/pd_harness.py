@@ -161,13 +161,14 @@ def make_pair(*, overlap: bool = False, fault: Fault | None = None, reorder_seed
               timeout_s: float = 30.0, chunk_tokens: int = 4, p_args: dict | None = None,
               d_args: dict | None = None, decode_hicache: bool = False) -> PDPair:
     o = {"disable_overlap_schedule": not overlap, "enable_overlap_schedule": overlap}
-    p = make_harness(**{**o, **(p_args or {})})
-    d = (make_hi_harness if decode_hicache else make_harness)(**{**o, **(d_args or {})})
     wire = Wire(fault, random.Random(reorder_seed) if reorder_seed is not None else None)
     config = TransferConfig(timeout_s=timeout_s, ping_s=1.0, chunk_tokens=chunk_tokens)
-    ptx = PrefillTransfer(p.scheduler, WireEnd(wire, "prefill"), lambda: [p.runner.kv], config)
-    dtx = DecodeTransfer(d.scheduler, WireEnd(wire, "decode"), lambda: [d.runner.kv], config)
+    built: dict[str, Harness] = {}  # each side's KV is its harness's runner's, built with the scheduler
+    ptx = PrefillTransfer(WireEnd(wire, "prefill"), lambda: [built["p"].runner.kv], config)
+    dtx = DecodeTransfer(WireEnd(wire, "decode"), lambda: [built["d"].runner.kv], config)
     clock = Clock()
     ptx.peers.clock = dtx.peers.clock = clock
-    p.scheduler.transfer, d.scheduler.transfer = ptx, dtx
+    p = built["p"] = make_harness(features={"transfer": ptx}, **{**o, **(p_args or {})})
+    d = built["d"] = (make_hi_harness if decode_hicache else make_harness)(features={"transfer": dtx},
+                                                                           **{**o, **(d_args or {})})
     return PDPair(p, d, ptx, dtx, wire, clock)

@@ -82,7 +82,8 @@ class Harness:
 def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None = None,
                  disable_cache: bool = False, page_size: int = 1, vocab: int = 97,
                  context: int = 512, eos: tuple[int, ...] = (), grammar_backend=None, memory: int | None = None,
-                 chunk_cost_keys: int | None = None, **args) -> Harness:
+                 chunk_cost_keys: int | None = None, features: dict | None = None, **args) -> Harness:
+    """`features`: what the scheduler's constructor is handed besides (transfer, inbox, hooks...)."""
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size,
@@ -95,5 +96,6 @@ def make_harness(capacity: int = 2048, max_running: int = 64, chunk: int | None 
     h = Harness(None, runner, cache)  # type: ignore[arg-type]
     config = server_args.scheduler_config(max_running_requests=max_running, chunked_prefill_size=chunk,
                                           device="cpu", chunk_cost_keys=chunk_cost_keys)
-    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output, grammar_backend=grammar_backend)
+    h.scheduler = Scheduler(config, runner, cache, send_output=h.on_output, grammar_backend=grammar_backend,
+                            **(features or {}))
     return h

@@ -65,12 +65,11 @@ class ScriptedInbox:
 
 
 def _start(msgs: list[object]) -> tuple[Harness, HeldForward, ScriptedInbox, dict[str, object]]:
-    h = make_harness(enable_overlap_schedule=True, disable_overlap_schedule=False)
-    s = h.scheduler
     held = HeldForward()
-    h.runner.fail_forward = held
     inbox = ScriptedInbox(held, msgs)
-    s.inbox = inbox
+    h = make_harness(enable_overlap_schedule=True, disable_overlap_schedule=False, features={"inbox": inbox})
+    s = h.scheduler
+    h.runner.fail_forward = held
     take_back = s._take_back
 
     def take_back_then_release(batch, running) -> None:  # the held forward may end once N+1 is back
@@ -176,9 +175,8 @@ class BuildTimeInbox:
 
 
 def _start_without_overlap() -> tuple[Harness, BuildTimeInbox]:
-    h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True)
     inbox = BuildTimeInbox()
-    h.scheduler.inbox = inbox
+    h = make_harness(enable_overlap_schedule=False, disable_overlap_schedule=True, features={"inbox": inbox})
     for rid, prompt in PROMPTS.items():
         h.submit(prompt, rid=rid, max_new_tokens=MAX_NEW)
     for _ in range(3):  # the prefill, then decode steps

@@ -89,7 +89,7 @@ def test_abort_in_launched_batch_drops_the_step_token(schedule_mode):
     delivered = len(h.tokens(rid))
     result = h.runner.forward(batch)
     sched.process_decode_result(batch, result)
-    sched._flush_outputs()
+    sched.flush()
     assert h.final(rid).finish_reason["type"] == "abort"
     assert len(h.tokens(rid)) == delivered  # the in-flight step's token is not delivered
     h.assert_idle_and_conserved()

@@ -1,12 +1,23 @@
-"""Which configurations speculative decoding refuses, and why (docs/speculative.md).
+"""Which feature combinations radixlm refuses, and why: the one place.
 
-Duck-typed on ServerArgs (this package sits below config in the layering).
+Each check raises ValueError with the reason; the callers only choose when it runs:
+- `check_server_features(args)`: ServerArgs.verify, before anything is loaded (duck-typed on
+  ServerArgs: this module sits below config in the layering);
+- `check_fleet_features(dp_size, speculative_algorithm)`: `radixlm serve --dp-size`;
+- `check_runtime_features(...)`: the scheduler process, once the runner chose its attention
+  backend and the scheduler its loop;
+- `check_scheduler_features(...)`: the scheduler's constructor (a SchedulerConfig made by hand);
+- `check_transfer(mode, backend)`: the disaggregation builder.
 """
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_speculative_args", "check_speculative_runtime"]
+__all__ = ["DISAGGREGATION_MODES", "TRANSFER_BACKENDS", "WHY_CPU_ONLY", "WHY_NO_OVERLAP", "check_server_features",
+           "check_fleet_features", "check_runtime_features", "check_scheduler_features", "check_transfer"]
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("tcp",)  # RDMA engines (mooncake, nixl) would be added here: docs/disaggregation.md
 
 WHY_CPU_ONLY = ("only the cpu attention backend is known to give a draft row's verify extend exactly the "
                 "logits of sequential decode steps (test_verify_forward.py); torch_native differs by ~1e-5 "
@@ -16,8 +27,15 @@ WHY_NO_OVERLAP = ("the next batch's inputs depend on how many drafts this step a
                   "--disable-overlap-schedule where it is on by default) as SGLang's ngram does")
 
 
-def check_speculative_args(args: Any) -> None:
+def check_server_features(args: Any) -> None:
     """What ServerArgs.verify can tell before anything is loaded."""
+    if args.disaggregation_mode != "null" and args.tp_size > 1:
+        raise ValueError("disaggregation_mode prefill/decode runs with tp_size 1 for now")
+    if args.speculative_algorithm is not None:
+        _check_speculative_args(args)
+
+
+def _check_speculative_args(args: Any) -> None:
     if args.speculative_algorithm != "ngram":
         raise ValueError(f"speculative_algorithm must be ngram or unset, got {args.speculative_algorithm!r}")
     args.ngram_config()  # NgramConfig checks the numbers, naming the flag
@@ -37,10 +55,29 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError(f"speculative decoding runs on the CPU only: {WHY_CPU_ONLY}")
 
 
-def check_speculative_runtime(attention_backend: str, overlap: bool) -> None:
+def check_fleet_features(dp_size: int, speculative_algorithm: str | None) -> None:
+    if dp_size > 1 and speculative_algorithm is not None:
+        raise ValueError("--speculative-algorithm with --dp-size > 1 is refused: speculation has not been "
+                         "tested behind the fleet's gateway (each replica would draft on its own index)")
+
+
+def check_runtime_features(*, speculative: bool, attention_backend: str, overlap: bool) -> None:
     """What is known once the runner chose its backend and the scheduler its loop."""
+    if not speculative:
+        return
     if attention_backend != "cpu":
         raise ValueError(f"speculative decoding needs the cpu attention backend, this runner uses "
                          f"{attention_backend!r} (did the native CPU kernels build?): {WHY_CPU_ONLY}")
-    if overlap:
+    check_scheduler_features(speculative=speculative, overlap=overlap)
+
+
+def check_scheduler_features(*, speculative: bool, overlap: bool) -> None:
+    if speculative and overlap:
         raise ValueError(f"speculative decoding refuses overlap scheduling: {WHY_NO_OVERLAP}")
+
+
+def check_transfer(mode: str, backend: str) -> None:
+    if mode not in DISAGGREGATION_MODES:
+        raise ValueError(f"disaggregation mode must be one of {DISAGGREGATION_MODES}, got {mode!r}")
+    if mode != "null" and backend not in TRANSFER_BACKENDS:
+        raise ValueError(f"unknown disaggregation transfer backend {backend!r}; have {TRANSFER_BACKENDS}")
