@@ -116,9 +116,9 @@ def _move_to_new_weights(s: ControlOps, namespace: str) -> dict[str, int]:
     chunked = s.chunked_req
     if chunked is not None:
         s.retract(chunked)
-    for req in s.reqs(Place.WAITING, Place.GRAMMAR):
+    for req in s.requests.reqs(Place.WAITING, Place.GRAMMAR):
         req.extra_key = namespace
-    return {r.rid: len(r.output_ids) for r in s.reqs(Place.RUNNING, Place.WAITING, Place.GRAMMAR)}
+    return {r.rid: len(r.output_ids) for r in s.requests.reqs(Place.RUNNING, Place.WAITING, Place.GRAMMAR)}
 
 
 @_handles(UpdateWeightsFromTensorReq)
@@ -186,13 +186,13 @@ def server_info(s: ControlOps) -> dict[str, Any]:
             "paused": s.paused, "overlap": s.overlap, "forward_idle_fraction": round(s.timer.idle_fraction(), 4),
             # cumulative, so that a benchmark can difference them over its own window
             "forward_busy_s": round(s.timer.busy_s, 4), "forward_idle_s": round(s.timer.idle_s, 4),
-            "memory": s.cache.memory_stats(), "num_running_reqs": s.count(Place.RUNNING),
-            "num_waiting_reqs": s.count(Place.WAITING, Place.CHUNKED),
+            "memory": s.cache.memory_stats(), "num_running_reqs": s.requests.count(Place.RUNNING),
+            "num_waiting_reqs": s.requests.count(Place.WAITING, Place.CHUNKED),
             # prefill work still queued, in tokens (the load a fleet gateway balances on)
-            "num_waiting_tokens": sum(r.seqlen for r in s.reqs(Place.WAITING))
-            + sum(r.seqlen - r.kv_committed_len for r in s.reqs(Place.CHUNKED)),
+            "num_waiting_tokens": sum(r.seqlen for r in s.requests.reqs(Place.WAITING))
+            + sum(r.seqlen - r.kv_committed_len for r in s.requests.reqs(Place.CHUNKED)),
             "num_grammar_queue_reqs": len(s.grammar_queue), **s.grammar_queue.stats,
             "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
             **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {}),
-            "num_transfer_reqs": s.count(Place.TRANSFER),
+            "num_transfer_reqs": s.requests.count(Place.TRANSFER),
             **{k: v for hook in s.hooks for k, v in hook.info().items()}}

@@ -82,12 +82,6 @@ class RequestLifecycle:
     def chunked_req(self) -> Req | None:
         return self.requests.first(Place.CHUNKED)
 
-    def reqs(self, *places: Place) -> list[Req]:
-        return self.requests.reqs(*places)
-
-    def count(self, *places: Place) -> int:
-        return self.requests.count(*places)
-
     def find(self, pred: Callable[[Req], bool], *places: Place) -> list[Req]:
         return self.requests.find(pred, *places)
 
