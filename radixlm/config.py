@@ -14,8 +14,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from radixlm.feature_rules import check_server_features
-
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
@@ -340,7 +338,8 @@ class ServerArgs:
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
         if self.decode_log_interval < 1:
             raise ValueError("decode_log_interval must be >= 1")
-        check_server_features(self)  # which feature combinations are refused (feature_rules.py)
+        from radixlm.feature_rules import check_server_features
+        check_server_features(self)  # which feature combinations are refused, and why
         for f in dataclasses.fields(self):
             choices = field_choices(f.name, f.metadata)
             if choices and getattr(self, f.name) not in choices:
