@@ -12,6 +12,7 @@ from typing import Any
 
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
+from radixlm.srt.sglang_fields import check_sglang_fields
 from radixlm.validation import RequestLimits, check_context, check_top_logprobs_num
 
 
@@ -27,6 +28,9 @@ class GenerateItem:
     stream: bool
     timeout: float | None = None
     bootstrap: tuple[str, int, int] | None = None  # disaggregation: (host, port, room)
+    # The caller's prefix-cache namespace (extra_key and cache_salt); the tokenizer manager
+    # puts it under the weights' namespace.
+    cache_key: str | None = None
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -48,7 +52,7 @@ class GenerateItem:
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
-                                    timeout=self.timeout, bootstrap=bootstrap)
+                                    timeout=self.timeout, bootstrap=bootstrap, extra_key=self.cache_key)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -98,6 +102,35 @@ def _bootstraps(host: Any, port: Any, room: Any, n: int) -> list[tuple[str, int,
     return out
 
 
+def _cache_keys(extra_key: Any, cache_salt: Any, n: int) -> list[str | None]:
+    """SGLang's extra_key and cache_salt (one each, or a list per prompt): requests share cached
+    prefixes only when both agree. An empty string is no key."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    for name, value in (("extra_key", extra_key), ("cache_salt", cache_salt)):
+        if value is None:
+            continue
+        for i, v in enumerate(_as_list(value, n, name)):
+            if not isinstance(v, str):
+                raise ValueError(f"{name} must be a string (or a list of strings, one per prompt), got {v!r}")
+            if v:
+                parts[i].append(f"{name}={v}")
+    return ["&".join(p) or None for p in parts]
+
+
+def _check_stream_options(opts: Any) -> None:
+    """/generate's chunks always carry prompt_tokens and completion_tokens (the usage so far), so
+    both of OpenAI's options are satisfied; only their shape is checked."""
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise ValueError(f"stream_options must be an object, got {type(opts).__name__}")
+    for k, v in opts.items():
+        if k not in ("include_usage", "continuous_usage_stats"):
+            raise ValueError(f"stream_options.{k}: unknown field")
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"stream_options.{k} must be a boolean, got {v!r}")
+
+
 def _check_flag(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -107,9 +140,13 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                        prompt=None, input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None, bootstrap_host=None,
-                       bootstrap_port=None, bootstrap_room=None) -> tuple[list[GenerateItem], bool]:
-    """Returns the items and whether the call was a batch."""
+                       bootstrap_port=None, bootstrap_room=None, extra_key=None, cache_salt=None,
+                       stream_options=None, **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
+    """Returns the items and whether the call was a batch. `sglang_fields`: SGLang's other
+    GenerateReqInput fields, accepted at their neutral values (sglang_fields.py)."""
     limits = limits or RequestLimits()
+    check_sglang_fields(sglang_fields)
+    _check_stream_options(stream_options)
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt and input_ids must be given")
     if prompt is not None:
@@ -142,6 +179,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     lsl = _as_list(logprob_start_len, n, "logprob_start_len")
     tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
     boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
+    cache_keys = _cache_keys(extra_key, cache_salt, n)
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -187,5 +225,6 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
-        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i]))
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i],
+                                  cache_keys[i]))
     return items, is_batch

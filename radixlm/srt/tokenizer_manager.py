@@ -515,7 +515,9 @@ class TokenizerManager:
             st.weight_versions = [[version, 0]]
             self.metrics.on_request(len(r.input_ids))
             r.rid = st.sched_rid
-            r.extra_key = f"weights:{self._weights_generation}"  # KV of other weights is never shared
+            # KV of other weights is never shared; the caller's own namespace goes under it
+            namespace = f"weights:{self._weights_generation}"
+            r.extra_key = namespace if r.extra_key is None else f"{namespace}|{r.extra_key}"
             self.to_scheduler.send(r)
 
     async def _wait_final(self, call: Call, st: ReqState, with_text: bool) -> dict:

@@ -1,0 +1,55 @@
+"""What clients nobody here wrote send, against a real `radixlm serve` on the tiny random Llama:
+SGLang's full /generate field set at its defaults, extra_key as a cache namespace, tools
+without a parser (an agent loop as LangChain and LiteLLM run it), and the fuzz findings'
+answers (bootstrap lists, oversized texts, stop lists)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test.support.server import serving
+from test.unit.srt.test_sglang_fields import SGLANG_DEFAULTS, SENT_AT_NEUTRAL
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    with serving(tiny_llama_dir, str(tmp_path_factory.mktemp("client_fields") / "server.log")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base, timeout=60.0) as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------- SGLang's /generate fields
+def test_sglangs_full_field_set_at_defaults(http):
+    r = http.post("/generate", json=SGLANG_DEFAULTS)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 3
+    r = http.post("/generate", json={**SGLANG_DEFAULTS, **SENT_AT_NEUTRAL})
+    assert r.status_code == 200, r.text
+    with http.stream("POST", "/generate", json={**SGLANG_DEFAULTS, **SENT_AT_NEUTRAL, "stream": True}) as s:
+        assert s.status_code == 200 and b"[DONE]" in s.read()
+
+
+@pytest.mark.parametrize("field,value", [("return_routed_experts", True), ("priority", 3), ("lora_path", "a"),
+                                         ("data_parallel_rank", 1)])
+def test_an_unsupported_feature_is_a_400_naming_it(http, field, value):
+    r = http.post("/generate", json={"text": "Hi", field: value})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field}="), r.text
+
+
+def test_extra_key_is_a_cache_namespace(http):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+
+    def cached(**kw) -> int:
+        r = http.post("/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 1}, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    cached(extra_key="tenant-a")
+    assert cached(extra_key="tenant-a") > 0
+    assert cached(extra_key="tenant-b") == 0
+    assert cached() == 0 and cached(cache_salt="tenant-a") == 0  # neither the default nor a salt of that name
