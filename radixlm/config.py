@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from radixlm.srt.function_call.formats import TOOL_CALL_PARSER_NAMES
+
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
@@ -113,9 +115,9 @@ class ServerArgs:
     skip_tokenizer_init: bool = _opt("load no tokenizer: requests give input_ids and get output_ids only, "
                                      "no text (RL callers that tokenize themselves)", default=False)
     tool_call_parser: str | None = _opt("how tool calls are read from the output for tool_choice=auto (SGLang's "
-                                        "names); default: chosen from the chat template",
-                                        choices=(None, "qwen25", "qwen", "hermes", "llama3", "mistral"),
-                                        default=None)
+                                        f"names: {', '.join(TOOL_CALL_PARSER_NAMES)}); default: chosen from the "
+                                        "chat template, and without one tool_choice=auto answers plain text",
+                                        choices=(None, *TOOL_CALL_PARSER_NAMES), default=None)
     dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "

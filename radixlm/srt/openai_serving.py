@@ -22,7 +22,7 @@ from radixlm.sampling_params import GRAMMAR_KINDS
 from radixlm.validation import check_top_logprobs_num
 from radixlm.srt.chat_template import ChatTemplateError, ChatTemplateRenderer
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
-from radixlm.srt.function_call.formats import select_format
+from radixlm.srt.function_call.formats import TOOL_CALL_PARSER_NAMES, select_format
 from radixlm.srt.function_call.stream import CallArgs, CallStart, Text, ToolCallStream
 from radixlm.srt.function_call.tool_choice import (ToolChoiceError, ToolPlan, plan_tools, template_tool_calls,
                                                    template_tools)
@@ -96,6 +96,7 @@ class OpenAIServing:
         # how tool calls are read for tool_choice=auto: the flag's format, else the template's
         self.tool_format = select_format(getattr(tm.args, "tool_call_parser", None),
                                          getattr(tm.tokenizer, "chat_template", None))
+        self._warned_unparsed = False
 
     # ------------------------------------------------------------------ models
     def model_names(self) -> set[str]:
@@ -142,6 +143,12 @@ class OpenAIServing:
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
         except ToolChoiceError as e:
             raise HTTPError(str(e), param=e.param) from e
+        if plan.unparsed and not self._warned_unparsed:
+            self._warned_unparsed = True
+            logger.warning('tool_choice "auto" (or tools without tool_choice) on a server with no tool-call '
+                           'parser: answering with plain text and no tool_calls; start it with '
+                           '--tool-call-parser {%s} to read calls from the output',
+                           ",".join(TOOL_CALL_PARSER_NAMES))
         if req.top_logprobs and not req.logprobs:
             raise HTTPError("top_logprobs requires logprobs=true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None \

@@ -53,3 +53,33 @@ def test_extra_key_is_a_cache_namespace(http):
     assert cached(extra_key="tenant-a") > 0
     assert cached(extra_key="tenant-b") == 0
     assert cached() == 0 and cached(cache_salt="tenant-a") == 0  # neither the default nor a salt of that name
+
+
+# ---------------------------------------------------------------------------- tools without a parser
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_an_agent_loop_without_a_tool_parser(server):
+    """LangChain's bind_tools and LiteLLM send tools without tool_choice (auto), and keep sending
+    them on the tool-result turn. This server has no --tool-call-parser and its chat template
+    declares no call format: each turn is answered with plain text and no tool_calls."""
+    client = server.openai()
+    turn = dict(model="tiny_llama", tools=[WEATHER], max_tokens=6, temperature=0)
+    first = client.chat.completions.create(messages=ASK, **turn)
+    msg = first.choices[0].message
+    assert msg.tool_calls is None and isinstance(msg.content, str) and msg.content
+    assert first.choices[0].finish_reason == "length"
+    streamed = list(client.chat.completions.create(messages=ASK, stream=True, **turn))
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == msg.content and not any(c.choices and c.choices[0].delta.tool_calls for c in streamed)
+    # the tool-result turn, as the agent sends it after running the tool itself
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    second = client.chat.completions.create(messages=history, tool_choice="auto", **turn)
+    assert second.choices[0].message.tool_calls is None and second.choices[0].message.content
+    assert server.log().count("no tool-call parser") == 1  # warned once, not per request
