@@ -13,6 +13,7 @@ from typing import Any
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 from radixlm.srt.sglang_fields import check_sglang_fields
+from radixlm.srt.text_bound import check_text_length
 from radixlm.validation import RequestLimits, check_context, check_top_logprobs_num
 
 
@@ -162,6 +163,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this server runs with "
                                  "skip_tokenizer_init: send input_ids")
+            check_text_length(tokenizer, len(t), context_len)  # before the costly tokenizing
         n = len(texts)
     else:
         if not isinstance(input_ids, list):

@@ -29,6 +29,7 @@ from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Ca
                                        abort_reason, terminal_output)
 from radixlm.srt.results import absorb, early_abort_results, result
 from radixlm.srt.rwlock import RWLock
+from radixlm.srt.text_bound import max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class TokenizerManager:
         self.tokenizer_path: str = args.tokenizer_path or self.model_path
         # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
+        max_chars_per_token(self.tokenizer)  # read from the vocabulary once, now, not in a request
         self.limits = args.request_limits()
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()

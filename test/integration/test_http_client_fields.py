@@ -83,3 +83,53 @@ def test_an_agent_loop_without_a_tool_parser(server):
     second = client.chat.completions.create(messages=history, tool_choice="auto", **turn)
     assert second.choices[0].message.tool_calls is None and second.choices[0].message.content
     assert server.log().count("no tool-call parser") == 1  # warned once, not per request
+
+
+# ---------------------------------------------------------------------------- fuzz findings
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi", "bootstrap_host": [], "bootstrap_port": [], "bootstrap_room": []}),
+    ("/v1/completions", {"prompt": ["Hi", "Yo"], "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": [7]}),
+    ("/v1/chat/completions", {"messages": CHAT, "bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": []}),
+    ("/v1/chat/completions", {"messages": CHAT, "bootstrap_host": ["h", "i"], "bootstrap_port": 1,
+                              "bootstrap_room": 7}),
+])
+def test_short_bootstrap_lists_are_a_400(http, path, body):
+    r = http.post(path, json={**body, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("bootstrap_"), r.text
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", lambda t: {"text": t}), ("/v1/completions", lambda t: {"prompt": t}),
+    ("/v1/chat/completions", lambda t: {"messages": [{"role": "user", "content": t}]}),
+])
+def test_a_text_that_cannot_fit_is_refused_from_its_length(http, server, path, body):
+    """Refused by its character count alone (the message counts characters, not tokens)."""
+    text = "a " * 1_000_000
+    r = http.post(path, json=body(text))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "characters, at least" in message and "context length" in message
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi", "stop": [f"s{i}" for i in range(1000)]}),
+    ("/generate", {"text": "Hi", "sampling_params": {"stop": [f"s{i}" for i in range(1000)]}}),
+])
+def test_too_many_stop_strings_states_the_limit(http, path, body):
+    r = http.post(path, json=body)
+    assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"], r.text
+
+
+def test_metrics_under_both_sglang_spellings(http):
+    from prometheus_client.parser import text_string_to_metric_families
+    assert http.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    assert fams["sglang:spec_accept_length"].samples[0].value == 0.0  # no speculative decoding here
+    for name, fam in fams.items():
+        if name.startswith("sglang:"):
+            twin = fams["sglang_" + name[len("sglang:"):]]
+            assert twin.type == fam.type and [s.labels for s in twin.samples] == [s.labels for s in fam.samples]
+    assert fams["sglang_num_requests"].samples[0].value >= 1
