@@ -232,6 +232,8 @@ class ServerArgs:
     max_sequences_per_request: int = _opt("largest prompts x n of one call", default=8192)
     max_top_logprobs_num: int = _opt("largest top_logprobs_num / top_logprobs / logprobs", default=20)
     max_grammar_chars: int = _opt("largest json_schema / regex / ebnf, in characters", default=65536)
+    max_stored_responses: int = _opt("most /v1/responses kept in memory for retrieval and "
+                                     "previous_response_id (least recently used dropped first)", default=1000)
     max_json_nesting: int = _opt("deepest nesting of lists and objects in a request body or JSON schema",
                                  default=64)
     max_weights_response_elements: int = _opt("most tensor elements /get_weights_by_name returns",
@@ -330,6 +332,8 @@ class ServerArgs:
             raise ValueError("max_json_nesting must be <= 256")
         if self.max_top_logprobs_num < 0:
             raise ValueError("max_top_logprobs_num must be >= 0")
+        if self.max_stored_responses < 0:
+            raise ValueError("max_stored_responses must be >= 0")
         if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
             raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
         if self.disaggregation_mode != "null" and self.tp_size > 1:

@@ -289,6 +289,7 @@ class Engine:
             sub["return_logprob"] = items[i].return_logprob
             sub["logprob_start_len"] = items[i].logprob_start_len if items[i].return_logprob else None
             sub["top_logprobs_num"] = items[i].top_logprobs_num
+            sub["token_ids_logprob"] = list(items[i].token_ids_logprob) or None
             for name in PER_PROMPT_FIELDS:  # a list has one entry per prompt: this prompt's
                 if isinstance(sub.get(name), list):
                     sub[name] = sub[name][i]

@@ -17,6 +17,10 @@ from radixlm.srt.text_bound import check_text_length
 from radixlm.validation import RequestLimits, check_context, check_top_logprobs_num
 
 
+# token_ids_logprob: the most ids one request may ask about (each logprob position reports them all)
+MAX_TOKEN_IDS_LOGPROB = 1024
+
+
 @dataclass
 class GenerateItem:
     """One user-visible request (before n > 1 expansion)."""
@@ -32,6 +36,7 @@ class GenerateItem:
     # The caller's prefix-cache namespace (extra_key and cache_salt); the tokenizer manager
     # puts it under the weights' namespace.
     cache_key: str | None = None
+    token_ids_logprob: tuple[int, ...] = ()  # ids whose logprobs each logprob position reports
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -53,7 +58,8 @@ class GenerateItem:
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
-                                    timeout=self.timeout, bootstrap=bootstrap, extra_key=self.cache_key)
+                                    timeout=self.timeout, bootstrap=bootstrap, extra_key=self.cache_key,
+                                    token_ids_logprob=self.token_ids_logprob)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -132,6 +138,27 @@ def _check_stream_options(opts: Any) -> None:
             raise ValueError(f"stream_options.{k} must be a boolean, got {v!r}")
 
 
+def _token_ids_logprob(value: Any, n: int, vocab_size: int) -> list[tuple[int, ...]]:
+    """SGLang's token_ids_logprob: one list of ids for every prompt, or a list per prompt."""
+    if value is None:
+        return [()] * n
+    if not isinstance(value, list):
+        raise ValueError(f"token_ids_logprob must be a list of token ids, got {type(value).__name__}")
+    per_prompt = bool(value) and all(isinstance(v, list) for v in value)
+    lists = _as_list(value, n, "token_ids_logprob") if per_prompt else [value] * n
+    out = []
+    for ids in lists:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("token_ids_logprob must be a list of token ids (or one list per prompt)")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob has {len(ids)} ids, more than the limit of {MAX_TOKEN_IDS_LOGPROB}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+        out.append(tuple(ids))
+    return out
+
+
 def _check_flag(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -142,7 +169,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None, bootstrap_host=None,
                        bootstrap_port=None, bootstrap_room=None, extra_key=None, cache_salt=None,
-                       stream_options=None, **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
+                       stream_options=None, token_ids_logprob=None, **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch. `sglang_fields`: SGLang's other
     GenerateReqInput fields, accepted at their neutral values (sglang_fields.py)."""
     limits = limits or RequestLimits()
@@ -182,6 +209,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
     boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
     cache_keys = _cache_keys(extra_key, cache_salt, n)
+    asked = _token_ids_logprob(token_ids_logprob, n, vocab_size)
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -223,10 +251,12 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
             raise ValueError(f"logprob_start_len ({start}) exceeds the prompt length ({len(ids)})")
         top = 0 if tln[i] is None else tln[i]
         check_top_logprobs_num(top, limits)
+        if asked[i] and not rlp[i]:
+            raise ValueError("token_ids_logprob needs return_logprob=true")
         total += sp.n
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
         items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i],
-                                  cache_keys[i]))
+                                  cache_keys[i], asked[i]))
     return items, is_batch

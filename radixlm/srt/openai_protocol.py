@@ -154,6 +154,8 @@ class GenerateRequest(SGLangGenerateFields):
     return_logprob: bool | list[bool] | None = False
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: NonNegInt | list[NonNegInt] | None = None
+    # logprobs of these ids at every logprob position (one list, or one per prompt)
+    token_ids_logprob: list[list[TokenId]] | list[TokenId] | None = None
     return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None

@@ -138,7 +138,12 @@ class OpenAIServing:
         return await self._serve(job, req.stream, receive)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, receive: Receive):
-        model = self.check_model(req.model)
+        job = await self.chat_job(req)
+        return await self._serve(job, req.stream, receive)
+
+    async def chat_job(self, req: ChatCompletionRequest, model: str | None = None) -> Job:
+        """A chat request validated and tokenized (/v1/chat/completions, /v1/responses)."""
+        model = model or self.check_model(req.model)
         self._need_tokenizer()
         try:
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
@@ -161,7 +166,7 @@ class OpenAIServing:
                         return_logprob=req.logprobs, top_logprobs=req.top_logprobs or 0,
                         forced_schema=plan.json_schema)
         job.tools = plan if plan.fmt is not None else None
-        return await self._serve(job, req.stream, receive)
+        return job
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt ids a chat request gets (chat template, tools): /tokenize uses it."""

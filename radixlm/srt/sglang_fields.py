@@ -3,8 +3,9 @@
 SGLang's own clients (its serving benchmark, the Model Gateway, RL frameworks) send many of
 them on every request, at their default values. Each field falls in one group:
 
-- implemented: handled by generate_request.py (text, input_ids, logprobs, bootstrap_*,
-  extra_key and cache_salt as cache namespaces, stream_options, ...);
+- implemented: handled by generate_request.py (text, input_ids, logprobs and
+  token_ids_logprob, bootstrap_*, extra_key and cache_salt as cache namespaces,
+  stream_options, ...);
 - NEUTRAL_FIELDS: features radixlm does not have (images, LoRA, routed experts, sessions,
   ...). Each is accepted at the value that asks for nothing (null, false, 0, an empty list);
   any other value is refused by name, never silently ignored;
@@ -70,7 +71,6 @@ NEUTRAL_FIELDS: dict[str, NeutralField] = {
                      "return_hidden_states", "return_routed_experts", "return_indexer_topk", "return_bytes",
                      "return_entropy", "return_prompt_token_ids"), _FALSE),
     "routed_experts_start_len": _ZERO,
-    "token_ids_logprob": _NULL,
     # features radixlm does not have
     **dict.fromkeys(("session_params", "lora_path", "lora_id", "custom_logit_processor", "kv_router_hint",
                      "max_thinking_tokens", "multi_item_delimiter_indices", "bootstrap_pair_key", "decode_tp_size",
@@ -148,7 +148,6 @@ class SGLangGenerateFields(BaseModel):
     return_bytes: bool | None = None
     return_entropy: bool | None = None
     return_prompt_token_ids: bool | None = None
-    token_ids_logprob: Union[list[list[int]], list[int], None] = None
     session_params: dict[str, Any] | None = None
     lora_path: Union[str, list[str | None], None] = None
     lora_id: Union[str, list[str | None], None] = None

@@ -4,6 +4,8 @@ without a parser (an agent loop as LangChain and LiteLLM run it), and the fuzz f
 answers (bootstrap lists, oversized texts, stop lists)."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -53,6 +55,43 @@ def test_extra_key_is_a_cache_namespace(http):
     assert cached(extra_key="tenant-a") > 0
     assert cached(extra_key="tenant-b") == 0
     assert cached() == 0 and cached(cache_salt="tenant-a") == 0  # neither the default nor a salt of that name
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_token_ids_logprob_equal_transformers(http, tiny_llama_dir, top):
+    """The logprobs of the asked ids at every prompt and output position, against the same
+    weights' log_softmax in transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, asked = [5, 17, 99, 3, 250, 7], [0, 42, 17, 1000]
+    r = http.post("/generate", json={"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                     "top_logprobs_num": top, "token_ids_logprob": asked,
+                                     "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    meta = out["meta_info"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        lsm = torch.log_softmax(model(torch.tensor([prompt + out["output_ids"]])).logits[0].float(), dim=-1)
+    inputs, outputs = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+    assert inputs[0] is None and len(inputs) == len(prompt) and len(outputs) == 3
+    for pos, entries in [(p - 1, inputs[p]) for p in range(1, len(prompt))] + \
+                        [(len(prompt) - 1 + t, outputs[t]) for t in range(3)]:
+        assert [tok for _, tok, _ in entries] == asked
+        assert [lp for lp, _, _ in entries] == pytest.approx(lsm[pos, asked].tolist(), abs=2e-3)
+    assert all(len(t) == top for t in meta["output_top_logprobs"])
+    assert len(meta["input_top_logprobs"]) == (len(prompt) if top else 0)
+    with http.stream("POST", "/generate", json={"input_ids": prompt, "return_logprob": True, "stream": True,
+                                                "token_ids_logprob": asked, "sampling_params": {
+                                                    "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}) as s:
+        chunks = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["meta_info"]["output_token_ids_logprobs"] == outputs  # cumulative, as SGLang streams
+
+
+def test_token_ids_logprob_needs_return_logprob(http):
+    r = http.post("/generate", json={"text": "Hi", "token_ids_logprob": [1, 2]})
+    assert r.status_code == 400 and "return_logprob" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- tools without a parser
