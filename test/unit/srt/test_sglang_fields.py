@@ -112,3 +112,30 @@ def test_the_dispatcher_routes_by_rank():
                 {"routed_dp_rank": 0, "data_parallel_rank": 1}):
         with pytest.raises(ValueError):
             requested_rank(bad, 2)
+
+
+def test_the_dispatcher_sends_a_ranked_request_to_that_replica_without_the_rank():
+    import httpx
+    import orjson
+    from starlette.testclient import TestClient
+
+    from radixlm.srt.fleet.dispatcher import create_dispatcher_app
+
+    seen: list[tuple[str, dict]] = []
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, orjson.loads(request.content)))
+        return httpx.Response(200, json={"text": "ok"})
+
+    app = create_dispatcher_app(["http://r0", "http://r1", "http://r2"])
+    with TestClient(app) as client:
+        app.state.dispatcher.client = httpx.AsyncClient(transport=httpx.MockTransport(replica))
+        for rank in (2, 0, 2):
+            r = client.post("/generate", json={"text": "same prompt", "data_parallel_rank": rank})
+            assert r.status_code == 200
+        r = client.post("/v1/completions", json={"prompt": "x", "routed_dp_rank": 1})
+        assert r.status_code == 200
+        bad = client.post("/generate", json={"text": "x", "routed_dp_rank": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank"
+    assert [host for host, _ in seen] == ["r2", "r0", "r2", "r1"]
+    assert all(not {"data_parallel_rank", "routed_dp_rank"} & set(body) for _, body in seen)
