@@ -11,7 +11,9 @@ with the same HTTP API as one server:
   agree to the same replica, so a shared system prompt or an earlier turn of a chat is a
   prefix-cache hit there, unless that replica has BALANCE_SLACK more requests in flight than
   the least busy one; `round_robin` alternates. A request that names its replica
-  (`routed_dp_rank` or `data_parallel_rank`, SGLang's fields) goes there.
+  (`routed_dp_rank` or `data_parallel_rank`, SGLang's fields) goes there. `/v1/responses`
+  (streamed like the others) and its stored-response routes go to the first replica, which
+  keeps the stored responses `previous_response_id` continues.
 - the stop path: a client that disconnects closes the upstream request, which the replica
   aborts at once; a replica that dies mid-stream ends the stream with an in-band error.
 - control routes (abort, pause/continue, cache flush, weight updates, memory) fan out to
@@ -44,6 +46,7 @@ PREFIX_IDS = 64
 BALANCE_SLACK = 4
 POLICIES = ("prefix_hash", "round_robin")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+RESPONSES_ROUTE = "/v1/responses"
 FAN_OUT_ROUTES = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                   "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
                   "/release_memory_occupation", "/resume_memory_occupation")
@@ -123,7 +126,9 @@ class Dispatcher:
             rank = requested_rank(body, len(self.urls))
         except ValueError as e:
             return error_response(str(e), 400, "data_parallel_rank")
-        if rank is None:
+        if request.url.path == RESPONSES_ROUTE:
+            i = 0  # stored responses (previous_response_id, GET, cancel) live on one replica
+        elif rank is None:
             i = self.pick(body)
         else:  # the replica is one rank of its own: it gets the body without the field
             i = rank
@@ -220,7 +225,7 @@ def create_dispatcher_app(urls: list[str], policy: str = "prefix_hash") -> FastA
 
     app = FastAPI(title="radixlm dispatcher", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.dispatcher = d
-    for path in GENERATION_ROUTES:
+    for path in (*GENERATION_ROUTES, RESPONSES_ROUTE):
         app.add_api_route(path, d.generate, methods=["POST", "PUT"] if path == "/generate" else ["POST"])
     for path in FAN_OUT_ROUTES:
         app.add_api_route(path, d.fan_out, methods=["GET", "POST"] if path == "/flush_cache" else ["POST"])
@@ -233,7 +238,7 @@ def create_dispatcher_app(urls: list[str], policy: str = "prefix_hash") -> FastA
     async def metrics() -> Response:
         return error_response("each replica has its own /metrics; their URLs are in /server_info", 404)
 
-    app.add_api_route("/{path:path}", d.first, methods=["GET", "POST"])
+    app.add_api_route("/{path:path}", d.first, methods=["GET", "POST", "DELETE"])
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

@@ -124,7 +124,7 @@ def test_the_dispatcher_sends_a_ranked_request_to_that_replica_without_the_rank(
     seen: list[tuple[str, dict]] = []
 
     def replica(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.host, orjson.loads(request.content)))
+        seen.append((request.url.host, orjson.loads(request.content or b"{}")))
         return httpx.Response(200, json={"text": "ok"})
 
     app = create_dispatcher_app(["http://r0", "http://r1", "http://r2"])
@@ -137,5 +137,8 @@ def test_the_dispatcher_sends_a_ranked_request_to_that_replica_without_the_rank(
         assert r.status_code == 200
         bad = client.post("/generate", json={"text": "x", "routed_dp_rank": 3})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank"
-    assert [host for host, _ in seen] == ["r2", "r0", "r2", "r1"]
+        # stored responses live on the first replica: /v1/responses and its id routes go there
+        assert client.post("/v1/responses", json={"input": "x"}).status_code == 200
+        assert client.delete("/v1/responses/resp_1").status_code == 200
+    assert [host for host, _ in seen] == ["r2", "r0", "r2", "r1", "r0", "r0"]
     assert all(not {"data_parallel_rank", "routed_dp_rank"} & set(body) for _, body in seen)
