@@ -14,6 +14,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from radixlm.srt.function_call.formats import TOOL_CALL_PARSER_NAMES
+
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
     from radixlm.scheduler.config import SchedulerConfig
@@ -113,9 +115,9 @@ class ServerArgs:
     skip_tokenizer_init: bool = _opt("load no tokenizer: requests give input_ids and get output_ids only, "
                                      "no text (RL callers that tokenize themselves)", default=False)
     tool_call_parser: str | None = _opt("how tool calls are read from the output for tool_choice=auto (SGLang's "
-                                        "names); default: chosen from the chat template",
-                                        choices=(None, "qwen25", "qwen", "hermes", "llama3", "mistral"),
-                                        default=None)
+                                        f"names: {', '.join(TOOL_CALL_PARSER_NAMES)}); default: chosen from the "
+                                        "chat template, and without one tool_choice=auto answers plain text",
+                                        choices=(None, *TOOL_CALL_PARSER_NAMES), default=None)
     dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "
@@ -232,6 +234,8 @@ class ServerArgs:
     max_sequences_per_request: int = _opt("largest prompts x n of one call", default=8192)
     max_top_logprobs_num: int = _opt("largest top_logprobs_num / top_logprobs / logprobs", default=20)
     max_grammar_chars: int = _opt("largest json_schema / regex / ebnf, in characters", default=65536)
+    max_stored_responses: int = _opt("most /v1/responses kept in memory for retrieval and "
+                                     "previous_response_id (least recently used dropped first)", default=1000)
     max_json_nesting: int = _opt("deepest nesting of lists and objects in a request body or JSON schema",
                                  default=64)
     max_weights_response_elements: int = _opt("most tensor elements /get_weights_by_name returns",
@@ -330,6 +334,8 @@ class ServerArgs:
             raise ValueError("max_json_nesting must be <= 256")
         if self.max_top_logprobs_num < 0:
             raise ValueError("max_top_logprobs_num must be >= 0")
+        if self.max_stored_responses < 0:
+            raise ValueError("max_stored_responses must be >= 0")
         if min(self.chat_template_timeout, self.http_header_timeout, self.http_body_timeout) <= 0:
             raise ValueError("chat_template_timeout, http_header_timeout and http_body_timeout must be > 0")
         if self.disaggregation_transfer_timeout <= 0:

@@ -59,6 +59,9 @@ class Req:
     eos_token_ids: frozenset[int] = frozenset()
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Token ids whose logprobs each logprob position also reports (SGLang's token_ids_logprob):
+    # a position's top list is its top_logprobs_num best entries, then these, in this order.
+    token_ids_logprob: tuple[int, ...] = ()
     # Index into the prompt from which input logprobs are returned (-1: none).
     logprob_start_len: int = -1
     extra_key: str | None = None
@@ -127,6 +130,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def keeps_top_lists(self) -> bool:
+        """Whether each logprob position keeps a list (top_logprobs_num best, then token_ids_logprob's)."""
+        return self.top_logprobs_num > 0 or bool(self.token_ids_logprob)
 
     def check_finished(self) -> None:
         """Decide finish after a new output token was appended (stop strings are the detokenizer's)."""

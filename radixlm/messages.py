@@ -18,6 +18,8 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     stream: bool = False
     extra_key: str | None = None
+    # ids whose logprobs every logprob position reports (after its top_logprobs_num best)
+    token_ids_logprob: tuple[int, ...] = ()
     priority: int = 0
     timeout: float | None = None  # seconds from arrival; past it the request ends with 503
     # disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room, index among n > 1 children)

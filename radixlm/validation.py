@@ -107,6 +107,11 @@ def describe(err: ValidationError | list, prefix: str = "") -> tuple[str, str | 
     for group in list(by_field.values())[:5]:
         depth = max(len(p) for p, _ in group)
         deepest = [(p, e) for p, e in group if len(p) == depth]
+        # a value of one branch's type that breaks that branch's limit (a list of 1000 stop
+        # strings) is that limit's error, not a wrong type
+        fitting = [(p, e) for p, e in deepest if not str(e.get("type", "")).endswith("_type")]
+        if len(fitting) == 1:
+            deepest = fitting
         parts, e = deepest[0]
         msg = str(e.get("msg", "invalid"))
         if e.get("type") == "extra_forbidden":
@@ -115,7 +120,7 @@ def describe(err: ValidationError | list, prefix: str = "") -> tuple[str, str | 
             msg = "has the wrong type"
         if e.get("type") == "value_error":
             msg = msg.removeprefix("Value error, ")
-        elif "input" in e and e.get("type") not in ("missing", "extra_forbidden"):
+        elif "input" in e and e.get("type") not in ("missing", "extra_forbidden", "too_long", "too_short"):
             shown = repr(e["input"])
             msg += f" (got {shown[:60] + '...' if len(shown) > 60 else shown})"
         loc = where(parts)

@@ -197,7 +197,7 @@ class PrefillTransfer(TransferSide):
                 self.counters.bytes += len(payload)
                 self.counters.chunks += 1
         lp = req.output_token_logprobs[0][0] if req.return_logprob else None
-        top = req.output_top_logprobs[0] if req.return_logprob and req.top_logprobs_num > 0 else None
+        top = req.output_top_logprobs[0] if req.return_logprob and req.keeps_top_lists else None
         ok = ok and self.link.send(room.peer, encode(DONE, key, n * len(buffers), req.output_ids[0], lp, top))
         room.sent, room.since = True, self.clock()
         if not ok:

@@ -117,7 +117,9 @@ def _move_to_new_weights(s: ControlOps, namespace: str) -> dict[str, int]:
     if chunked is not None:
         s.retract(chunked)
     for req in s.requests.reqs(Place.WAITING, Place.GRAMMAR):
-        req.extra_key = namespace
+        # the caller's own namespace (extra_key / cache_salt) follows the weights' one
+        caller = (req.extra_key or "").partition("|")[2]
+        req.extra_key = f"{namespace}|{caller}" if caller else namespace
     return {r.rid: len(r.output_ids) for r in s.requests.reqs(Place.RUNNING, Place.WAITING, Place.GRAMMAR)}
 
 

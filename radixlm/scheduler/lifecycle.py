@@ -111,6 +111,7 @@ class RequestLifecycle:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
+                  token_ids_logprob=msg.token_ids_logprob,
                   extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
                   created_time=self.ranks.now(), bootstrap=msg.bootstrap)
         if self.speculation is not None:

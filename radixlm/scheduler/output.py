@@ -89,9 +89,9 @@ def record_input_logprobs(req: Req, targets: list[int], result: BatchResult, i: 
     tops = result.input_top_logprobs[i] or []
     if not req.input_token_logprobs and req.logprob_start_len == 0:
         req.input_token_logprobs.append((None, req.origin_input_ids[0]))
-        if req.top_logprobs_num > 0:
+        if req.keeps_top_lists:
             req.input_top_logprobs.append(None)
     for j, (lp, tok) in enumerate(zip(lps, targets, strict=True)):
         req.input_token_logprobs.append((lp, tok))
-        if req.top_logprobs_num > 0:
+        if req.keeps_top_lists:
             req.input_top_logprobs.append(tops[j])

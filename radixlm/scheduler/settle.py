@@ -34,7 +34,7 @@ def append_token(req: Req, token: int, logprob: float | None,
     if req.return_logprob:
         assert logprob is not None, f"{req.rid}: no logprob for a request that asked for them"
         req.output_token_logprobs.append((logprob, token))
-        if req.top_logprobs_num > 0:
+        if req.keeps_top_lists:
             req.output_top_logprobs.append(top or [])
 
 

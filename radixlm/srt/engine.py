@@ -58,9 +58,14 @@ async def _run(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+# generate() arguments that may be a list with one entry per prompt (besides the ones above)
+PER_PROMPT_FIELDS = ("extra_key", "cache_salt", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
 def _generate_kwargs(call_locals: dict) -> dict:
     """The generate() arguments as TokenizerManager.generate_request keywords."""
-    return {k: v for k, v in call_locals.items() if k != "self"}
+    kw = {k: v for k, v in call_locals.items() if k not in ("self", "sglang_fields")}
+    return {**kw, **call_locals.get("sglang_fields", {})}
 
 
 def _final(chunk) -> bool:
@@ -233,7 +238,9 @@ class Engine:
     # ------------------------------------------------------------------ generate
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                 return_text_in_logprobs: bool = False, timeout: float | None = None):
+                 return_text_in_logprobs: bool = False, timeout: float | None = None, **sglang_fields):
+        """`sglang_fields`: SGLang's other GenerateReqInput fields (extra_key, cache_salt,
+        stream_options, bootstrap_*, and the unsupported ones at their neutral values)."""
         kw = _generate_kwargs(locals())
         tm = self.tokenizer_manager
         if stream:
@@ -248,7 +255,8 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                             return_text_in_logprobs: bool = False, timeout: float | None = None):
+                             return_text_in_logprobs: bool = False, timeout: float | None = None,
+                             **sglang_fields):
         kw = _generate_kwargs(locals())
         agen = self.tokenizer_manager.generate_request(**kw)
         if stream:
@@ -281,6 +289,10 @@ class Engine:
             sub["return_logprob"] = items[i].return_logprob
             sub["logprob_start_len"] = items[i].logprob_start_len if items[i].return_logprob else None
             sub["top_logprobs_num"] = items[i].top_logprobs_num
+            sub["token_ids_logprob"] = list(items[i].token_ids_logprob) or None
+            for name in PER_PROMPT_FIELDS:  # a list has one entry per prompt: this prompt's
+                if isinstance(sub.get(name), list):
+                    sub[name] = sub[name][i]
             out = await self._collect(tm.generate_request(**sub))
             bar.update(1)
             return out if isinstance(out, list) else [out]

@@ -12,7 +12,13 @@ from typing import Any
 
 from radixlm.messages import TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
+from radixlm.srt.sglang_fields import check_sglang_fields
+from radixlm.srt.text_bound import check_text_length
 from radixlm.validation import RequestLimits, check_context, check_top_logprobs_num
+
+
+# token_ids_logprob: the most ids one request may ask about (each logprob position reports them all)
+MAX_TOKEN_IDS_LOGPROB = 1024
 
 
 @dataclass
@@ -27,6 +33,10 @@ class GenerateItem:
     stream: bool
     timeout: float | None = None
     bootstrap: tuple[str, int, int] | None = None  # disaggregation: (host, port, room)
+    # The caller's prefix-cache namespace (extra_key and cache_salt); the tokenizer manager
+    # puts it under the weights' namespace.
+    cache_key: str | None = None
+    token_ids_logprob: tuple[int, ...] = ()  # ids whose logprobs each logprob position reports
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -48,7 +58,8 @@ class GenerateItem:
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
-                                    timeout=self.timeout, bootstrap=bootstrap)
+                                    timeout=self.timeout, bootstrap=bootstrap, extra_key=self.cache_key,
+                                    token_ids_logprob=self.token_ids_logprob)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -98,6 +109,56 @@ def _bootstraps(host: Any, port: Any, room: Any, n: int) -> list[tuple[str, int,
     return out
 
 
+def _cache_keys(extra_key: Any, cache_salt: Any, n: int) -> list[str | None]:
+    """SGLang's extra_key and cache_salt (one each, or a list per prompt): requests share cached
+    prefixes only when both agree. An empty string is no key."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    for name, value in (("extra_key", extra_key), ("cache_salt", cache_salt)):
+        if value is None:
+            continue
+        for i, v in enumerate(_as_list(value, n, name)):
+            if not isinstance(v, str):
+                raise ValueError(f"{name} must be a string (or a list of strings, one per prompt), got {v!r}")
+            if v:
+                parts[i].append(f"{name}={v}")
+    return ["&".join(p) or None for p in parts]
+
+
+def _check_stream_options(opts: Any) -> None:
+    """/generate's chunks always carry prompt_tokens and completion_tokens (the usage so far), so
+    both of OpenAI's options are satisfied; only their shape is checked."""
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise ValueError(f"stream_options must be an object, got {type(opts).__name__}")
+    for k, v in opts.items():
+        if k not in ("include_usage", "continuous_usage_stats"):
+            raise ValueError(f"stream_options.{k}: unknown field")
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"stream_options.{k} must be a boolean, got {v!r}")
+
+
+def _token_ids_logprob(value: Any, n: int, vocab_size: int) -> list[tuple[int, ...]]:
+    """SGLang's token_ids_logprob: one list of ids for every prompt, or a list per prompt."""
+    if value is None:
+        return [()] * n
+    if not isinstance(value, list):
+        raise ValueError(f"token_ids_logprob must be a list of token ids, got {type(value).__name__}")
+    per_prompt = bool(value) and all(isinstance(v, list) for v in value)
+    lists = _as_list(value, n, "token_ids_logprob") if per_prompt else [value] * n
+    out = []
+    for ids in lists:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("token_ids_logprob must be a list of token ids (or one list per prompt)")
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob has {len(ids)} ids, more than the limit of {MAX_TOKEN_IDS_LOGPROB}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob out of the vocabulary range [0, {vocab_size}): {bad[:5]}")
+        out.append(tuple(ids))
+    return out
+
+
 def _check_flag(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -107,9 +168,13 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                        prompt=None, input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None, bootstrap_host=None,
-                       bootstrap_port=None, bootstrap_room=None) -> tuple[list[GenerateItem], bool]:
-    """Returns the items and whether the call was a batch."""
+                       bootstrap_port=None, bootstrap_room=None, extra_key=None, cache_salt=None,
+                       stream_options=None, token_ids_logprob=None, **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
+    """Returns the items and whether the call was a batch. `sglang_fields`: SGLang's other
+    GenerateReqInput fields, accepted at their neutral values (sglang_fields.py)."""
     limits = limits or RequestLimits()
+    check_sglang_fields(sglang_fields)
+    _check_stream_options(stream_options)
     if (prompt is None) == (input_ids is None):
         raise ValueError("exactly one of prompt and input_ids must be given")
     if prompt is not None:
@@ -125,6 +190,7 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
             if tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this server runs with "
                                  "skip_tokenizer_init: send input_ids")
+            check_text_length(tokenizer, len(t), context_len)  # before the costly tokenizing
         n = len(texts)
     else:
         if not isinstance(input_ids, list):
@@ -142,6 +208,8 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     lsl = _as_list(logprob_start_len, n, "logprob_start_len")
     tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
     boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
+    cache_keys = _cache_keys(extra_key, cache_salt, n)
+    asked = _token_ids_logprob(token_ids_logprob, n, vocab_size)
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -183,9 +251,12 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
             raise ValueError(f"logprob_start_len ({start}) exceeds the prompt length ({len(ids)})")
         top = 0 if tln[i] is None else tln[i]
         check_top_logprobs_num(top, limits)
+        if asked[i] and not rlp[i]:
+            raise ValueError("token_ids_logprob needs return_logprob=true")
         total += sp.n
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
-        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i]))
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i],
+                                  cache_keys[i], asked[i]))
     return items, is_batch

@@ -38,6 +38,8 @@ from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJ
                                     abort_error, declare_request_bodies, error_body, error_response,
                                     next_or_disconnect, parse_body, sse_event)
 from radixlm.srt.http_worker_routes import add_worker_routes
+from radixlm.srt.openai_responses import ResponsesServing, add_responses_routes
+from radixlm.srt.responses_protocol import ResponsesRequest
 from radixlm.srt.launch import describe as describe_process
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
@@ -58,7 +60,8 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # What each route's JSON body is (parsed by parse_body; declared in /openapi.json).
 REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
                   ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
-                  ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
+                  ("POST", "/pause_generation"): PauseRequest, ("POST", "/v1/responses"): ResponsesRequest,
+                  **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
 def default_served_model_name(model_path: str) -> str:
     name = os.path.basename(model_path.rstrip("/")) or model_path
     return name[:-5] if name.lower().endswith(".gguf") else name
@@ -72,6 +75,7 @@ class ServerContext:
     served_model_name: str | None = None
     tm: Any = None
     openai: Any = None
+    responses: Any = None  # ResponsesServing (/v1/responses)
     shutting_down: bool = False
     dead_child: str | None = None  # which runtime process exited while we were serving, and how
 
@@ -94,6 +98,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
         ctx.tm.start()
         ctx.served_model_name = ctx.served_model_name or default_served_model_name(ctx.tm.model_path)
         ctx.openai = OpenAIServing(ctx.tm, ctx.served_model_name)
+        ctx.responses = ResponsesServing(ctx.openai, args.max_stored_responses)
         ctx.tm.metrics.model_name = ctx.served_model_name  # the sglang: metrics' model_name label
         _watch_children(ctx, asyncio.get_running_loop())
         # only `radixlm serve` creates this app: the process is ours (an Engine's never is)
@@ -118,6 +123,7 @@ def create_app(args: ServerArgs, procs, served_model_name: str | None = None) ->
     add_rl_routes(app, lambda request: _ctx(request).tm)
     add_tokenize_routes(app, _ctx)
     add_worker_routes(app, _ctx)
+    add_responses_routes(app, lambda request: _ctx(request).responses)
     declare_request_bodies(app, REQUEST_BODIES)
     # the last added runs first: keys and origins are checked before any body is read
     app.add_middleware(BodyGuard, max_bytes=args.max_payload_size, timeout_s=args.http_body_timeout)
@@ -295,7 +301,7 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 yield sse_event(error_body(err[1], err[0]))
                 break
             i = chunk.get("index", 0)
-            a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": []})
+            a = acc.setdefault(i, {"text": "", "output_ids": [], "lps": [], "tops": [], "asked": []})
             a["text"] += chunk.get("text", "")
             a["output_ids"].extend(chunk["output_ids"])
             meta = dict(chunk["meta_info"])
@@ -303,6 +309,9 @@ async def _cumulative_events(first: dict, agen) -> AsyncIterator[bytes]:
                 a["lps"].extend(meta["output_token_logprobs"] or [])
                 a["tops"].extend(meta["output_top_logprobs"] or [])
                 meta["output_token_logprobs"], meta["output_top_logprobs"] = a["lps"], a["tops"]
+            if "output_token_ids_logprobs" in meta:
+                a["asked"].extend(meta["output_token_ids_logprobs"] or [])
+                meta["output_token_ids_logprobs"] = a["asked"]
             out = {"text": a["text"], "output_ids": a["output_ids"], "meta_info": meta}
             if "text" not in chunk:  # skip_tokenizer_init: ids only
                 del out["text"]

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from radixlm.srt.metrics_sglang import SGLangMetrics
+from radixlm.srt.metrics_sglang import SGLangMetrics, underscore_copies
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 
@@ -122,4 +122,5 @@ class RuntimeMetrics:
         hit_rate = self._cached / self._prompt if self._prompt else 0.0
         self.cache_hit_rate.set(hit_rate)
         self.sglang.update(scheduler_info, hit_rate)
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text + underscore_copies(text)

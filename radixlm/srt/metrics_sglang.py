@@ -4,7 +4,8 @@ peers' tooling read these names, so a radixlm worker drops into an SGLang fleet.
 
     gauges      num_running_reqs, num_queue_reqs, num_grammar_queue_reqs, num_used_tokens,
                 token_usage (KV held by requests, evictable cache excluded, as SGLang counts it),
-                max_total_num_tokens, cache_hit_rate, gen_throughput, new_token_ratio
+                max_total_num_tokens, cache_hit_rate, gen_throughput, new_token_ratio,
+                spec_accept_length, spec_accept_rate
     counters    prompt_tokens_total, generation_tokens_total, cached_tokens_total,
                 num_requests_total, num_aborted_requests_total (per finished request, as SGLang
                 counts them), num_retracted_requests_total, evicted_tokens_total
@@ -13,6 +14,8 @@ peers' tooling read these names, so a radixlm worker drops into an SGLang fleet.
                 e2e_request_latency_seconds
 
 Gauges and the scheduler's counters are read from the scheduler when /metrics is scraped.
+Every `sglang:` family is also served as `sglang_` (`underscore_copies`): SGLang's newer
+exporters name them so and current gateways and dashboards read either spelling.
 """
 from __future__ import annotations
 
@@ -136,12 +139,27 @@ class _SchedulerFamilies:
         yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", self.m._cache_hit_rate)
         yield gauge("sglang:gen_throughput", "The generation throughput (token/s).", self.m.decode_rate.value)
         yield gauge("sglang:new_token_ratio", "The new token ratio.", info.get("new_token_ratio", 0.0))
-        if "spec_accept_length" in info:
-            yield gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.",
-                        info["spec_accept_length"])
-            yield gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.",
-                        info["spec_accept_rate"])
+        # always there (SGLang's metrics tests read it): 0 while speculative decoding is off
+        yield gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.",
+                    info.get("spec_accept_length", 0.0))
+        yield gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.",
+                    info.get("spec_accept_rate", 0.0))
         yield counter("sglang:num_retracted_requests", "Total number of retracted requests.",
                       info.get("num_retractions", 0))
         yield counter("sglang:evicted_tokens", "The number of tokens evicted from the prefix cache.",
                       info.get("evicted_tokens_total", 0))
+
+
+_PREFIX = b"sglang:"
+
+
+def underscore_copies(exposition: bytes) -> bytes:
+    """The `sglang:` families of a Prometheus text exposition again under `sglang_` names (each
+    family's HELP, TYPE and samples, in order), to append to the exposition."""
+    out = []
+    for line in exposition.splitlines(keepends=True):
+        if line.startswith(_PREFIX):
+            out.append(b"sglang_" + line[len(_PREFIX):])
+        elif line.startswith((b"# HELP sglang:", b"# TYPE sglang:")):
+            out.append(line[:7] + b"sglang_" + line[7 + len(_PREFIX):])
+    return b"".join(out)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from radixlm.srt.sglang_fields import METADATA_FIELDS, SGLangGenerateFields
 from radixlm.validation import (AdditivePenalty, JsonSchemaInput, LogitBias, MinP, NonNegInt, PositiveInt,
                                 PositiveSeconds, RepetitionPenalty, Seed, Stop, StopRegexInput, Temperature, TokenId,
                                 TopK, TopP, sampling_params_input_model)
@@ -137,8 +138,9 @@ class ChatCompletionRequest(_SamplingRequest):
 SamplingParamsInput = sampling_params_input_model()
 
 
-class GenerateRequest(BaseModel):
-    """The native /generate body (SGLang's GenerateReqInput, the fields radixlm supports).
+class GenerateRequest(SGLangGenerateFields):
+    """The native /generate body: SGLang's GenerateReqInput. The fields radixlm implements are
+    declared here; the others (sglang_fields.py) are accepted at their neutral values.
     Unknown fields are rejected: a typo here would otherwise silently change sampling."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -148,38 +150,29 @@ class GenerateRequest(BaseModel):
     input_ids: list[list[int]] | list[int] | None = None
     sampling_params: SamplingParamsInput | list[SamplingParamsInput] | None = None
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     return_logprob: bool | list[bool] | None = False
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: NonNegInt | list[NonNegInt] | None = None
+    # logprobs of these ids at every logprob position (one list, or one per prompt)
+    token_ids_logprob: list[list[TokenId]] | list[TokenId] | None = None
     return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None
+    # prefix-cache namespaces (SGLang's names): requests share cached KV only with the same values
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
     # prefill/decode disaggregation: where the KV comes from / goes (the gateway adds them; a
     # batch has one per prompt). docs/disaggregation.md
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
-    # The SGLang Model Gateway (smg) re-serializes every /generate it forwards and adds these
-    # fields at their defaults. An explicit allow-list: each is accepted at the value that
-    # means "nothing special" and none reaches the engine (GATEWAY_GENERATE_FIELDS).
-    model: str | None = None  # smg routes by it ("unknown" when the client named none)
-    log_metrics: bool = True
-    no_logs: bool = False  # radixlm never logs prompts or outputs
-    background: bool = False
-    return_bytes: bool = False
-    return_entropy: bool = False
-    return_hidden_states: bool = False
-
-    @field_validator("background", "return_bytes", "return_entropy", "return_hidden_states", mode="before")
-    @classmethod
-    def _default_only(cls, v: Any, info: ValidationInfo) -> bool:
-        if v not in (False, None):
-            raise ValueError(f"{info.field_name}={v!r} is not supported (only false)")
-        return False
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """TokenizerManager.generate_request keywords (nulls dropped: the defaults apply)."""
-        kw = self.model_dump(exclude_none=True, exclude=GATEWAY_GENERATE_FIELDS)
+        """TokenizerManager.generate_request keywords (nulls dropped: the defaults apply); the
+        SGLang fields radixlm does not implement go along to be checked with the rest."""
+        kw = self.model_dump(exclude_none=True, exclude=set(SGLangGenerateFields.model_fields))
+        kw.update({k: v for k, v in self.sglang_fields().items() if k not in METADATA_FIELDS})
         sp = self.sampling_params
         if sp is not None:  # only the fields the client gave: an explicit max_new_tokens is checked
             kw["sampling_params"] = ([p.model_dump(exclude_none=True) for p in sp] if isinstance(sp, list)
@@ -187,11 +180,6 @@ class GenerateRequest(BaseModel):
         if "text" in kw:
             kw["prompt"] = kw.pop("text")
         return kw
-
-
-# Fields of GenerateRequest that are protocol noise from the gateway, not generation input.
-GATEWAY_GENERATE_FIELDS = frozenset({"model", "log_metrics", "no_logs", "background", "return_bytes",
-                                     "return_entropy", "return_hidden_states"})
 
 
 class AbortRequest(BaseModel):

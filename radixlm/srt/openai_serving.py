@@ -22,10 +22,11 @@ from radixlm.sampling_params import GRAMMAR_KINDS
 from radixlm.validation import check_top_logprobs_num
 from radixlm.srt.chat_template import ChatTemplateError, ChatTemplateRenderer
 from radixlm.srt.constrained.response_format import response_format_to_sampling_params
-from radixlm.srt.function_call.formats import select_format
+from radixlm.srt.function_call.formats import TOOL_CALL_PARSER_NAMES, select_format
 from radixlm.srt.function_call.stream import CallArgs, CallStart, Text, ToolCallStream
 from radixlm.srt.function_call.tool_choice import (ToolChoiceError, ToolPlan, plan_tools, template_tool_calls,
                                                    template_tools)
+from radixlm.srt.text_bound import check_text_length
 from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResponse, abort_error, error_body,
                                     merge_streams, next_or_disconnect, sse_event)
 from radixlm.srt.openai_format import (TokenBytes, chat_logprobs, completion_logprobs, finish_reason_str,
@@ -96,6 +97,7 @@ class OpenAIServing:
         # how tool calls are read for tool_choice=auto: the flag's format, else the template's
         self.tool_format = select_format(getattr(tm.args, "tool_call_parser", None),
                                          getattr(tm.tokenizer, "chat_template", None))
+        self._warned_unparsed = False
 
     # ------------------------------------------------------------------ models
     def model_names(self) -> set[str]:
@@ -136,12 +138,23 @@ class OpenAIServing:
         return await self._serve(job, req.stream, receive)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, receive: Receive):
-        model = self.check_model(req.model)
+        job = await self.chat_job(req)
+        return await self._serve(job, req.stream, receive)
+
+    async def chat_job(self, req: ChatCompletionRequest, model: str | None = None) -> Job:
+        """A chat request validated and tokenized (/v1/chat/completions, /v1/responses)."""
+        model = model or self.check_model(req.model)
         self._need_tokenizer()
         try:
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_format)
         except ToolChoiceError as e:
             raise HTTPError(str(e), param=e.param) from e
+        if plan.unparsed and not self._warned_unparsed:
+            self._warned_unparsed = True
+            logger.warning('tool_choice "auto" (or tools without tool_choice) on a server with no tool-call '
+                           'parser: answering with plain text and no tool_calls; start it with '
+                           '--tool-call-parser {%s} to read calls from the output',
+                           ",".join(TOOL_CALL_PARSER_NAMES))
         if req.top_logprobs and not req.logprobs:
             raise HTTPError("top_logprobs requires logprobs=true", param="top_logprobs")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -153,15 +166,21 @@ class OpenAIServing:
                         return_logprob=req.logprobs, top_logprobs=req.top_logprobs or 0,
                         forced_schema=plan.json_schema)
         job.tools = plan if plan.fmt is not None else None
-        return await self._serve(job, req.stream, receive)
+        return job
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The prompt ids a chat request gets (chat template, tools): /tokenize uses it."""
-        return await self._chat_prompt(req, template_tools(req.tools, req.tool_choice))
+        return await self._chat_prompt(req, template_tools(req.tools, req.tool_choice), for_context=False)
 
     # ------------------------------------------------------------------ preparation
-    async def _tokenize(self, texts: list[str]) -> list[list[int]]:
+    async def _tokenize(self, texts: list[str], param: str | None) -> list[list[int]]:
+        """param: the request field the texts come from; None: they need not fit the context."""
         enc = self.tm.tokenizer.encode
+        for t in texts if param is not None else []:  # refused before the costly tokenizing
+            try:
+                check_text_length(self.tm.tokenizer, len(t), self.tm.context_len)
+            except ValueError as e:
+                raise HTTPError(str(e), param=param) from e
 
         def run() -> list[list[int]]:
             # add_special_tokens=False: the same ids the Engine gets for the same text
@@ -180,7 +199,7 @@ class OpenAIServing:
         if isinstance(prompt[0], str):
             if not all(prompt):
                 raise HTTPError("the prompt is empty", param="prompt")
-            return await self._tokenize(prompt), list(prompt)
+            return await self._tokenize(prompt, "prompt"), list(prompt)
         if not all(prompt):
             raise HTTPError("the prompt is empty", param="prompt")
         bad = [t for ids in prompt for t in ids if not 0 <= t < self.tm.vocab_size]
@@ -190,7 +209,8 @@ class OpenAIServing:
         texts = [self.tm.tokenizer.decode(ids) for ids in prompt]
         return [list(ids) for ids in prompt], texts
 
-    async def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None,
+                           for_context: bool = True) -> list[int]:
         tok = self.tm.tokenizer
         if not getattr(tok, "chat_template", None):
             raise HTTPError("this model has no chat template; use /v1/completions", param="messages")
@@ -221,7 +241,7 @@ class OpenAIServing:
             raise HTTPError(str(e), param="chat_template_kwargs") from e
         except Exception as e:  # jinja errors: the template rejects these messages
             raise HTTPError(f"cannot apply the chat template: {e}", param="messages") from e
-        return (await self._tokenize([text]))[0]
+        return (await self._tokenize([text], "messages" if for_context else None))[0]
 
     def _job(self, req: _SamplingRequest, *, chat: bool, model: str, prompts: list[list[int]],
              max_tokens: int | None, return_logprob: bool, top_logprobs: int,
@@ -252,6 +272,12 @@ class OpenAIServing:
             rids = list(req.rid)
         else:
             rids = [base] if len(prompts) == 1 else [f"{base}_{p}" for p in range(len(prompts))]
+        bootstrap = {k: getattr(req, f"bootstrap_{k}") for k in ("host", "port", "room")
+                     if getattr(req, f"bootstrap_{k}") is not None}
+        for k, v in bootstrap.items():  # a list has one entry per prompt
+            if isinstance(v, list) and len(v) != len(prompts):
+                raise HTTPError(f"bootstrap_{k} has {len(v)} entries but there are {len(prompts)} prompts",
+                                param=f"bootstrap_{k}")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # SGLang's rule: continuous_usage_stats alone puts usage in every chunk (vLLM also wants
         # include_usage); include_usage adds the final usage-only chunk
@@ -262,8 +288,7 @@ class OpenAIServing:
                    prompts=prompts, echo_texts=[], sampling=sampling, n=req.n, return_logprob=return_logprob,
                    top_logprobs=top_logprobs, logprob_start_len=None, include_usage=include_usage,
                    timeout=req.timeout, continuous_usage=continuous_usage,
-                   bootstrap={k: getattr(req, f"bootstrap_{k}") for k in ("host", "port", "room")
-                              if getattr(req, f"bootstrap_{k}") is not None})
+                   bootstrap=bootstrap)
 
     def _sampling(self, req: _SamplingRequest, max_tokens: int, forced_schema: str | None = None) -> dict:
         d: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens, "n": req.n,

@@ -73,6 +73,9 @@ class ReqState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     detok: DetokParams | None = None  # from its first output (text_at_end: see _answer_text)
+    # a logprob position's top list: the top_logprobs_num best, then token_ids_logprob's entries
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -154,7 +157,8 @@ class RequestTable:
             if p is not None and owner is not None and (owner is not call or r.rid in call.rids):
                 raise ValueError(f"duplicate request id {r.rid!r}: a request with this id is running")
         for r, p in zip(reqs, parents):
-            st = ReqState(r.rid, len(r.input_ids), bool(r.stream), call, parent=p)
+            st = ReqState(r.rid, len(r.input_ids), bool(r.stream), call, parent=p,
+                          top_logprobs_num=r.top_logprobs_num, token_ids_logprob=r.token_ids_logprob)
             self.names[r.rid] = call
             self.states[r.rid] = st
             call.states.append(st)

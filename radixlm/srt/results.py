@@ -64,10 +64,17 @@ def result(st: ReqState, tokenizer, with_text: bool, full: bool, delta: dict | N
     lps = st.output_token_logprobs if full else delta["lps"]
     tops = st.output_top_logprobs if full else delta["tops"]
     if st.output_token_logprobs or st.input_token_logprobs is not None:
+        k, in_tops = st.top_logprobs_num, st.input_top_logprobs or []
         meta["output_token_logprobs"] = _with_text(tokenizer, lps, with_text)
-        meta["output_top_logprobs"] = [_with_text(tokenizer, t, with_text) for t in tops]
         meta["input_token_logprobs"] = _with_text(tokenizer, st.input_token_logprobs or [], with_text)
-        meta["input_top_logprobs"] = [_with_text(tokenizer, t, with_text) for t in (st.input_top_logprobs or [])]
+        if st.token_ids_logprob:  # each list: the top k, then the asked ids' entries
+            meta["output_token_ids_logprobs"] = [_with_text(tokenizer, t[k:], with_text) for t in tops]
+            meta["input_token_ids_logprobs"] = [None if t is None else _with_text(tokenizer, t[k:], with_text)
+                                                for t in in_tops]
+            if k == 0:  # the top lists were kept for the asked ids only
+                tops, in_tops = [], []
+        meta["output_top_logprobs"] = [_with_text(tokenizer, t if t is None else t[:k], with_text) for t in tops]
+        meta["input_top_logprobs"] = [_with_text(tokenizer, t if t is None else t[:k], with_text) for t in in_tops]
     out = {"text": st.text if full else delta["text"],
            "output_ids": list(st.output_ids) if full else delta["output_ids"], "meta_info": meta}
     if tokenizer is None:  # --skip-tokenizer-init: ids only, as SGLang answers

@@ -29,6 +29,7 @@ from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Ca
                                        abort_reason, terminal_output)
 from radixlm.srt.results import absorb, early_abort_results, result
 from radixlm.srt.rwlock import RWLock
+from radixlm.srt.text_bound import max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class TokenizerManager:
         self.tokenizer_path: str = args.tokenizer_path or self.model_path
         # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
+        max_chars_per_token(self.tokenizer)  # read from the vocabulary once, now, not in a request
         self.limits = args.request_limits()
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
@@ -515,7 +517,9 @@ class TokenizerManager:
             st.weight_versions = [[version, 0]]
             self.metrics.on_request(len(r.input_ids))
             r.rid = st.sched_rid
-            r.extra_key = f"weights:{self._weights_generation}"  # KV of other weights is never shared
+            # KV of other weights is never shared; the caller's own namespace goes under it
+            namespace = f"weights:{self._weights_generation}"
+            r.extra_key = namespace if r.extra_key is None else f"{namespace}|{r.extra_key}"
             self.to_scheduler.send(r)
 
     async def _wait_final(self, call: Call, st: ReqState, with_text: bool) -> dict:

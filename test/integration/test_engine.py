@@ -131,6 +131,31 @@ def test_logprobs_match_hf(engine, hf_model):
     assert len(top) == 3 and top[0][1] == out["output_ids"][0]
 
 
+def test_token_ids_logprob_and_sglang_fields(engine, hf_model):
+    """SGLang's GenerateReqInput keywords: token_ids_logprob at every prompt position (across
+    prefill chunks of 64) and output position against Hugging Face, the unsupported ones at
+    their neutral values, refused by name otherwise."""
+    prompt, asked = list(range(300, 450)), [5, 300, 301, 40000]
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                            "ignore_eos": True},
+                          return_logprob=True, logprob_start_len=0, token_ids_logprob=asked, extra_key="tenant",
+                          return_routed_experts=False, priority=0, lora_path=None, data_parallel_rank=0)
+    meta = out["meta_info"]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt + out["output_ids"]])).logits[0].float(), -1)
+    inputs, outputs = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+    assert inputs[0] is None and len(inputs) == len(prompt) and len(outputs) == 4
+    got = [e for p in inputs[1:] for e in p] + [e for o in outputs for e in o]
+    want = [ref[pos, asked].tolist() for pos in range(len(prompt) + 3)]
+    assert [t for _, t, _ in got] == asked * (len(prompt) + 3)
+    assert [lp for lp, _, _ in got] == pytest.approx([x for row in want for x in row], abs=1e-4)
+    assert meta["output_top_logprobs"] == []  # none asked for
+    with pytest.raises(ValueError, match="return_routed_experts=True is not supported"):
+        engine.generate(input_ids=prompt[:3], return_routed_experts=True)
+    with pytest.raises(ValueError, match="retrun_logprob: unknown field"):
+        engine.generate(input_ids=prompt[:3], retrun_logprob=True)
+
+
 def test_input_logprobs_from_start_survive_a_cached_prefix(engine, hf_model):
     """Issue 18: a 7-token prompt, logprob_start_len=1, its first token cached: every input
     logprob from token 1 is returned and equals Hugging Face's."""

@@ -12,7 +12,8 @@ from radixlm.srt.fleet.dispatcher import BALANCE_SLACK, Dispatcher, routing_key
 from radixlm.srt.fleet.launch import FleetOptions
 from radixlm.srt.fleet.replicas import serve_argv, split_cpus
 from radixlm.srt.http_worker_routes import load_snapshot
-from radixlm.srt.openai_protocol import GATEWAY_GENERATE_FIELDS, GenerateRequest
+from radixlm.srt.generate_request import normalize_generate
+from radixlm.srt.openai_protocol import GenerateRequest
 
 # What smg 1.13 sent for `{"text": "hello", "sampling_params": {...}, "rid": "r1"}` (recorded).
 SMG_BODY = {"text": "hello", "model": "unknown", "sampling_params": {"max_new_tokens": 4, "sampling_seed": 5},
@@ -22,15 +23,20 @@ SMG_BODY = {"text": "hello", "model": "unknown", "sampling_params": {"max_new_to
 
 def test_generate_accepts_the_gateways_fields_and_drops_them():
     body = GenerateRequest.model_validate(SMG_BODY)
-    kw = body.model_dump(exclude=GATEWAY_GENERATE_FIELDS)
-    assert not GATEWAY_GENERATE_FIELDS & set(kw)
-    assert kw["text"] == "hello" and kw["rid"] == "r1" and kw["sampling_params"]["seed"] == 5  # SGLang's name, resolved
+    kw = body.generate_kwargs()
+    assert not {"model", "log_metrics", "no_logs"} & set(kw)
+    assert kw["prompt"] == "hello" and kw["rid"] == "r1" and kw["sampling_params"]["seed"] == 5  # SGLang's name, resolved
+    rest = {k: v for k, v in kw.items() if k not in ("prompt", "return_text_in_logprobs")}
+    (item,), _ = normalize_generate(None, vocab_size=10, context_len=10, input_ids=[1], **rest)
+    assert item.rid == "r1"
 
 
 @pytest.mark.parametrize("field", ["background", "return_bytes", "return_entropy", "return_hidden_states"])
 def test_unsupported_gateway_features_are_refused_by_name(field):
-    with pytest.raises(ValidationError, match=field):
-        GenerateRequest.model_validate({**SMG_BODY, field: True})
+    kw = GenerateRequest.model_validate({**SMG_BODY, field: True}).generate_kwargs()
+    kw = {k: v for k, v in kw.items() if k not in ("prompt", "return_text_in_logprobs")}
+    with pytest.raises(ValueError, match=field):
+        normalize_generate(None, vocab_size=10, context_len=10, input_ids=[1], **kw)
 
 
 def test_other_unknown_fields_are_still_refused():

@@ -10,7 +10,10 @@ with the same HTTP API as one server:
   `prefix_hash` sends requests whose first PREFIX_CHARS characters (or PREFIX_IDS token ids)
   agree to the same replica, so a shared system prompt or an earlier turn of a chat is a
   prefix-cache hit there, unless that replica has BALANCE_SLACK more requests in flight than
-  the least busy one; `round_robin` alternates.
+  the least busy one; `round_robin` alternates. A request that names its replica
+  (`routed_dp_rank` or `data_parallel_rank`, SGLang's fields) goes there. `/v1/responses`
+  (streamed like the others) and its stored-response routes go to the first replica, which
+  keeps the stored responses `previous_response_id` continues.
 - the stop path: a client that disconnects closes the upstream request, which the replica
   aborts at once; a replica that dies mid-stream ends the stream with an in-band error.
 - control routes (abort, pause/continue, cache flush, weight updates, memory) fan out to
@@ -43,9 +46,12 @@ PREFIX_IDS = 64
 BALANCE_SLACK = 4
 POLICIES = ("prefix_hash", "round_robin")
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+RESPONSES_ROUTE = "/v1/responses"
 FAN_OUT_ROUTES = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                   "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weight_version",
                   "/release_memory_occupation", "/resume_memory_occupation")
+# the fields by which a client picks the replica (SGLang's names)
+DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
 FORWARDED_HEADERS = ("authorization", "content-type", "x-request-id")
 
 
@@ -67,6 +73,21 @@ def routing_key(body: Any) -> str | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         return orjson.dumps(messages)[:PREFIX_CHARS].decode(errors="ignore")
+    return None
+
+
+def requested_rank(body: Any, n: int) -> int | None:
+    """The replica the client chose (SGLang's routed_dp_rank, or its older name
+    data_parallel_rank), or None. ValueError for a rank that is not one of the n replicas."""
+    if not isinstance(body, dict):
+        return None
+    given = {k: body[k] for k in DP_RANK_FIELDS if body.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ValueError(f"routed_dp_rank and data_parallel_rank differ: {given}")
+    for name, rank in given.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n:
+            raise ValueError(f"{name} must be a replica's rank, an integer in [0, {n}), got {rank!r}")
+        return rank
     return None
 
 
@@ -101,7 +122,17 @@ class Dispatcher:
             body = orjson.loads(raw) if raw.strip() else {}
         except orjson.JSONDecodeError:
             body = None  # forwarded as is: the replica answers the 400
-        i = self.pick(body)
+        try:
+            rank = requested_rank(body, len(self.urls))
+        except ValueError as e:
+            return error_response(str(e), 400, "data_parallel_rank")
+        if request.url.path == RESPONSES_ROUTE:
+            i = 0  # stored responses (previous_response_id, GET, cancel) live on one replica
+        elif rank is None:
+            i = self.pick(body)
+        else:  # the replica is one rank of its own: it gets the body without the field
+            i = rank
+            raw = orjson.dumps({k: v for k, v in body.items() if k not in DP_RANK_FIELDS})
         upstream = self.client.build_request(request.method, self.urls[i] + request.url.path, content=raw,
                                              params=request.query_params, headers=self.headers(request))
         self.inflight[i] += 1
@@ -194,7 +225,7 @@ def create_dispatcher_app(urls: list[str], policy: str = "prefix_hash") -> FastA
 
     app = FastAPI(title="radixlm dispatcher", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.dispatcher = d
-    for path in GENERATION_ROUTES:
+    for path in (*GENERATION_ROUTES, RESPONSES_ROUTE):
         app.add_api_route(path, d.generate, methods=["POST", "PUT"] if path == "/generate" else ["POST"])
     for path in FAN_OUT_ROUTES:
         app.add_api_route(path, d.fan_out, methods=["GET", "POST"] if path == "/flush_cache" else ["POST"])
@@ -207,7 +238,7 @@ def create_dispatcher_app(urls: list[str], policy: str = "prefix_hash") -> FastA
     async def metrics() -> Response:
         return error_response("each replica has its own /metrics; their URLs are in /server_info", 404)
 
-    app.add_api_route("/{path:path}", d.first, methods=["GET", "POST"])
+    app.add_api_route("/{path:path}", d.first, methods=["GET", "POST", "DELETE"])
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

@@ -8,7 +8,7 @@
 
 The names are SGLang's `--tool-call-parser` values. Without the flag the parser is chosen
 from the chat template (the tokens its tool-use section writes), else there is none and
-`tool_choice: "auto"` is refused (as vLLM does without a parser).
+`tool_choice: "auto"` answers plain text with no `tool_calls` (as SGLang does).
 """
 from __future__ import annotations
 

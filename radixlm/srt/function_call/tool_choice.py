@@ -2,8 +2,9 @@
 the grammar that forces calls, and how the output is read.
 
     none       tools are not rendered; the output is plain content
-    auto       tools rendered; the output is read with the server's tool-call format (a 400
-               when there is none, as vLLM answers without a parser)
+    auto       tools rendered; the output is read with the server's tool-call format; with
+               none (no --tool-call-parser, no format in the chat template) it is plain
+               content and no tool_calls, as SGLang answers (ToolPlan.unparsed)
     required   tools rendered; the grammar (xgrammar, JSON schema) forces a JSON array of one
     {"type": "function", "function": {"name": f}}
                or more calls [{"name": ..., "parameters": {...}}] (exactly f's, once, for a
@@ -33,6 +34,8 @@ class ToolPlan:
     json_schema: str | None = None  # the grammar forcing the calls
     fmt: ToolCallFormat | None = None  # how calls are read from the output; None: plain content
     tool_names: set[str] = field(default_factory=set)
+    # tool_choice auto with no tool-call format: answered as plain text (the server warns once)
+    unparsed: bool = False
 
 
 def template_tools(tools, tool_choice) -> list[dict] | None:
@@ -56,11 +59,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool, fmt: ToolCallForma
     if choice == "none":
         return plan
     if choice == "auto":
-        if fmt is None:
-            raise ToolChoiceError('tool_choice "auto" needs a tool-call parser: start the server with '
-                                  '--tool-call-parser (qwen25, llama3, mistral), or use tool_choice '
-                                  '"required" or a named function', "tool_choice")
         plan.fmt = fmt
+        plan.unparsed = fmt is None
         return plan
     if choice == "required":
         chosen, one = list(tools), not parallel_tool_calls

@@ -358,7 +358,8 @@ class ModelRunner:
             for i, first, count in lp_slices:
                 targets = device_tensor(batch.input_logprob_targets[i], torch.int64, logits.device)
                 in_lps[i], in_tops[i] = self.sampler.logprobs_of(logits[first:first + count], targets,
-                                                                 batch.reqs[i].top_logprobs_num)
+                                                                 batch.reqs[i].top_logprobs_num,
+                                                                 batch.reqs[i].token_ids_logprob)
             ready["input_logprobs"], ready["input_top_logprobs"] = in_lps, in_tops
         end = self.stream.mark()
         host = sampled.map(self.stream.to_host) if sampled is not None else None

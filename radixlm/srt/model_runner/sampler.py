@@ -262,13 +262,14 @@ class Sampler:
         self.stats.fused_argmax_calls += 1
         return SampleTensors(ids)
 
-    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor | list[int],
-                    top_k: int) -> tuple[list[float], list[list[tuple[float, int]]]]:
-        """Raw logprob of token_ids[i] under logits[i], and the top_k (logprob, id) per row.
+    def logprobs_of(self, logits: torch.Tensor, token_ids: torch.Tensor | list[int], top_k: int,
+                    asked: tuple[int, ...] = ()) -> tuple[list[float], list[list[tuple[float, int]]]]:
+        """Raw logprob of token_ids[i] under logits[i], and the top_k (logprob, id) per row
+        followed by the (logprob, id) of each id in `asked` (token_ids_logprob).
 
         For input (prompt) logprobs: row i holds the logits that predicted token_ids[i].
-        Top lists are empty when top_k <= 0. Computed in chunks of rows so a long prompt
-        does not materialize its whole [n, V] log_softmax at once.
+        Top lists are empty when top_k <= 0 and nothing is asked. Computed in chunks of rows so
+        a long prompt does not materialize its whole [n, V] log_softmax at once.
         """
         n = logits.shape[0]
         tok = torch.as_tensor(token_ids, dtype=torch.int64, device=logits.device).view(-1)
@@ -282,9 +283,14 @@ class Sampler:
             out_lp.extend(lsm.gather(1, tok[s:s + _LOGPROB_CHUNK, None]).squeeze(1).tolist())
             if k > 0:
                 vals, inds = lsm.topk(k, dim=-1)
-                out_top.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), inds.tolist()))
+                chunk = [list(zip(v, i)) for v, i in zip(vals.tolist(), inds.tolist())]
             else:
-                out_top.extend([] for _ in range(lsm.shape[0]))
+                chunk = [[] for _ in range(lsm.shape[0])]
+            if asked:
+                ids = list(asked)
+                for row, v in zip(chunk, lsm[:, ids].tolist()):
+                    row.extend(zip(v, ids))
+            out_top.extend(chunk)
         return out_lp, out_top
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
@@ -476,6 +482,13 @@ class Sampler:
         kmax = min(max(out.top_nums), self.vocab_size)
         if kmax > 0:
             out.top_values, out.top_ids = lsm.topk(kmax, dim=-1)
+        asked = [rows[i].token_ids_logprob for i in idx]
+        if any(asked):
+            out.asked_nums = [len(a) for a in asked]
+            width = max(out.asked_nums)
+            padded = [list(a) + [0] * (width - len(a)) for a in asked]
+            out.asked_ids = torch.tensor(padded, dtype=torch.int64).to(raw.device, non_blocking=True)
+            out.asked_values = lsm.gather(1, out.asked_ids)
         return out
 
 

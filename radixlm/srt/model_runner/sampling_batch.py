@@ -45,6 +45,8 @@ class SamplingRow:
     return_logprob: bool = False
     # Only honoured together with return_logprob.
     top_logprobs_num: int = 0
+    # Ids whose logprobs follow the top entries in this row's top list (token_ids_logprob).
+    token_ids_logprob: tuple[int, ...] = ()
 
     @property
     def needs_penalty(self) -> bool:
@@ -94,13 +96,19 @@ class SampleTensors:
     top_values: "torch.Tensor | None" = None  # float32 [len(logprob_rows), max top_logprobs_num]
     top_ids: "torch.Tensor | None" = None  # int64, same shape
     top_nums: list[int] = field(default_factory=list)  # top_logprobs_num of each logprob row
+    # token_ids_logprob: each logprob row's requested ids (padded with 0 to the longest) and
+    # their logprobs, read after the row's top entries
+    asked_ids: "torch.Tensor | None" = None  # int64 [len(logprob_rows), longest list]
+    asked_values: "torch.Tensor | None" = None  # float32, same shape
+    asked_nums: list[int] = field(default_factory=list)
 
     def map(self, fn: Callable[["torch.Tensor"], "torch.Tensor"]) -> "SampleTensors":
         """The same result with every tensor replaced by fn(tensor) (e.g. a host copy)."""
         def opt(t):
             return None if t is None else fn(t)
         return SampleTensors(fn(self.ids), self.logprob_rows, opt(self.logprobs), opt(self.top_values),
-                             opt(self.top_ids), self.top_nums)
+                             opt(self.top_ids), self.top_nums, opt(self.asked_ids), opt(self.asked_values),
+                             self.asked_nums)
 
     def to_output(self) -> SampleOutput:
         b = int(self.ids.numel())
@@ -114,6 +122,11 @@ class SampleTensors:
                                   self.top_ids.tolist()):
                 if k > 0:
                     tops[i] = list(zip(v[:k], t[:k]))
+        if self.asked_values is not None:
+            for i, m, v, t in zip(self.logprob_rows, self.asked_nums, self.asked_values.tolist(),
+                                  self.asked_ids.tolist()):
+                if m > 0:
+                    tops[i] = (tops[i] or []) + list(zip(v[:m], t[:m]))
         return SampleOutput(self.ids.tolist(), logprobs, tops)
 
 

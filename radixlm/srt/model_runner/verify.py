@@ -35,7 +35,8 @@ def sampling_row(req: Req, output_ids: list[int]) -> SamplingRow:
     sp = req.sampling_params
     stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else req.eos_token_ids)
     return SamplingRow(params=sp, prompt_ids=req.origin_input_ids, output_ids=output_ids, stop_ids=stop_ids,
-                       return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num)
+                       return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                       token_ids_logprob=req.token_ids_logprob)
 
 
 def launch_verify(runner: ModelRunner, batch: WorkerBatch) -> LaunchedBatch:

@@ -25,6 +25,9 @@ CASES = [
      '<tool_call>{"name": "unknown_fn", "arguments": {}}</tool_call> ok', []),
     (QWEN25, '<tool_call>\n{"arguments": {"a": 2}, "name": "add"}\n</tool_call>', None, [("add", '{"a": 2}')]),
     (QWEN25, '<tool_call>{"name": "add"}</tool_call>', None, [("add", "{}")]),
+    # Qwen3 (hermes): an empty thinking block first, arguments spread over lines
+    (QWEN25, '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather",\n "arguments": {"city": "Lima"}}\n'
+             '</tool_call>', "<think>\n\n</think>", [("get_weather", '{"city": "Lima"}')]),
     (LLAMA3, '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", '{"city": "Paris"}')]),
     (LLAMA3, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}',
      None, [("add", '{"a": 1}'), ("add", '{"a": 2}')]),

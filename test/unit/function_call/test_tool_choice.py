@@ -45,12 +45,13 @@ def test_no_tools():
             plan(tool_choice=choice)
 
 
-def test_auto_is_the_default_with_tools_and_needs_a_parser():
+def test_auto_is_the_default_with_tools_and_plain_text_without_a_parser():
     p = plan(tools=TOOLS)
     assert p.fmt is QWEN25 and p.json_schema is None and len(p.template_tools) == 2
-    assert p.tool_names == {"get_weather", "ping"}
-    with pytest.raises(ToolChoiceError, match="tool-call-parser"):
-        plan(fmt=None, tools=TOOLS)
+    assert p.tool_names == {"get_weather", "ping"} and not p.unparsed
+    for choice in (None, "auto"):  # as SGLang answers: the tools are rendered, the output is content
+        p = plan(fmt=None, tools=TOOLS, tool_choice=choice)
+        assert p.unparsed and p.fmt is None and p.json_schema is None and len(p.template_tools) == 2
 
 
 def test_none_renders_no_tools_and_reads_no_calls():
