@@ -116,7 +116,8 @@ class ServerArgs:
                                         "names); default: chosen from the chat template",
                                         choices=(None, "qwen25", "qwen", "hermes", "llama3", "mistral"),
                                         default=None)
-    dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
+    dtype: str = _opt("weights and activations dtype; auto: bfloat16 on CPUs with AMX-BF16 or AVX512-BF16 and on "
+                      "GPUs that support it, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "
                                     "through int8 GEMMs, CPU only; default: none (the dtype above)",

@@ -39,6 +39,7 @@ from radixlm.srt.http_utils import (SSE_DONE, ClientDisconnected, HTTPError, ORJ
                                     next_or_disconnect, parse_body, sse_event)
 from radixlm.srt.http_worker_routes import add_worker_routes
 from radixlm.srt.launch import describe as describe_process
+from radixlm.srt.served_name import default_served_model_name
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
 from radixlm.validation import describe
@@ -59,9 +60,6 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
                   ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
                   ("POST", "/pause_generation"): PauseRequest, **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
-def default_served_model_name(model_path: str) -> str:
-    name = os.path.basename(model_path.rstrip("/")) or model_path
-    return name[:-5] if name.lower().endswith(".gguf") else name
 
 
 @dataclass
