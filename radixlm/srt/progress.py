@@ -53,6 +53,12 @@ class TokenProgress:
                 return None
         return max(0, round(expected - max(0, running)))
 
+    def add(self, max_new_tokens: int | None) -> int:
+        """One more request (a batch read as it runs); returns its index for finish()."""
+        self._limits.append(max_new_tokens)
+        self.total_requests += 1
+        return len(self._limits) - 1
+
     def finish(self, index: int, completion_tokens: int) -> None:
         """Request `index` (its position in max_new_tokens) ended with this many tokens."""
         self._limits[index] = 0

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -134,10 +136,11 @@ class BatchRunner:
             return error_record(line.custom_id, f"{type(e).__name__}: {e}", 500)
         return success_record(line.custom_id, json.loads(bytes(response.body)))
 
-    async def run(self, lines: list[BatchLine | BadLine]) -> BatchSummary:
+    async def run(self, lines: "asyncio.Queue[BatchLine | BadLine | None]") -> BatchSummary:
+        """Runs the lines the queue yields until None (the end of the input)."""
         t0 = time.perf_counter()
         gate = asyncio.Semaphore(self.max_in_flight)
-        tasks: list[asyncio.Task] = []
+        tasks: set[asyncio.Task] = set()
 
         async def one(index: int, line: BatchLine) -> None:
             try:
@@ -150,66 +153,74 @@ class BatchRunner:
             if self.progress is not None:
                 self.progress.finish(index, int(usage.get("completion_tokens", 0)))
 
-        index = 0
-        for line in lines:
-            if isinstance(line, BadLine):
-                self.write(error_record(line.custom_id, line.message, line.status, line.param))
-                continue
-            await gate.acquire()
-            tasks.append(asyncio.ensure_future(one(index, line)))
-            index += 1
         try:
-            await asyncio.gather(*tasks)
+            while (line := await lines.get()) is not None:
+                if isinstance(line, BadLine):
+                    self.write(error_record(line.custom_id, line.message, line.status, line.param))
+                    continue
+                await gate.acquire()
+                index = self.progress.add(line.max_new_tokens()) if self.progress is not None else 0
+                task = asyncio.ensure_future(one(index, line))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks))
         finally:
-            for t in tasks:
+            for t in list(tasks):
                 t.cancel()
             self.summary.seconds = time.perf_counter() - t0
         return self.summary
 
 
-def read_lines(ns: argparse.Namespace, resume: ResumeState) -> tuple[list[BatchLine | BadLine], int]:
-    """The input's requests (and bad lines) still to answer, and how many were skipped."""
-    f = sys.stdin if ns.input_file == "-" else open(ns.input_file, encoding="utf-8")
-    out: list[BatchLine | BadLine] = []
-    skipped = 0
+def iter_lines(f: TextIO, resume: ResumeState, skipped: list[int]):
+    """The input's requests (and bad lines) still to answer; skipped[0] counts the others."""
     unnamed_left = resume.unnamed_errors
+    for number, raw in enumerate(f, 1):
+        if not raw.strip():
+            continue
+        try:
+            item: BatchLine | BadLine = parse_line(number, raw)
+        except BadLine as e:
+            item = e
+        cid = item.custom_id
+        if cid is not None and cid in resume.done_ids:
+            skipped[0] += 1
+            continue
+        if cid is None and unnamed_left > 0:  # written before the crash, in input order
+            unnamed_left -= 1
+            skipped[0] += 1
+            continue
+        yield item
+
+
+def _feed(f: TextIO, resume: ResumeState, skipped: list[int], loop: asyncio.AbstractEventLoop,
+          queue: "asyncio.Queue[BatchLine | BadLine | None]") -> None:
+    """In a thread: the input's lines into the queue as they are read (stdin may be a pipe that
+    a producer is still writing), then None."""
     try:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                item: BatchLine | BadLine = parse_line(number, raw)
-            except BadLine as e:
-                item = e
-            cid = item.custom_id
-            if cid is not None and cid in resume.done_ids:
-                skipped += 1
-                continue
-            if cid is None and unnamed_left > 0:  # written before the crash, in input order
-                unnamed_left -= 1
-                skipped += 1
-                continue
-            out.append(item)
+        for item in iter_lines(f, resume, skipped):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+    except OSError as e:  # the lines read so far still run; the failure is the last line
+        loop.call_soon_threadsafe(queue.put_nowait, BadLine(f"reading the input failed: {e}", None, 500))
     finally:
-        if f is not sys.stdin:
-            f.close()
-    return out, skipped
+        loop.call_soon_threadsafe(queue.put_nowait, None)
 
 
-async def _run_on_loop(engine, ns: argparse.Namespace, lines: list, out: TextIO) -> BatchSummary:
+async def _run_on_loop(engine, ns: argparse.Namespace, f: TextIO, resume: ResumeState, skipped: list[int],
+                       out: TextIO) -> BatchSummary:
     from radixlm.srt.openai_serving import OpenAIServing
     from radixlm.srt.progress import TokenProgress
     from radixlm.srt.served_name import default_served_model_name
 
     tm = engine.tokenizer_manager
     serving = OpenAIServing(tm, ns.served_model_name or default_served_model_name(tm.model_path))
-    requests = [x for x in lines if isinstance(x, BatchLine)]
-    progress = None
-    if ns.progress and requests:
-        progress = TokenProgress([x.max_new_tokens() for x in requests], lambda: tm.tokens_generated,
-                                 desc="run-batch").start()
+    progress = TokenProgress([], lambda: tm.tokens_generated, desc="run-batch").start() if ns.progress else None
+    queue: asyncio.Queue = asyncio.Queue()
+    reader = threading.Thread(target=_feed, args=(f, resume, skipped, asyncio.get_running_loop(), queue),
+                              name="radixlm-batch-reader", daemon=True)
+    reader.start()
     try:
-        return await BatchRunner(serving, out, ns.max_in_flight, progress).run(lines)
+        return await BatchRunner(serving, out, ns.max_in_flight, progress).run(queue)
     finally:
         if progress is not None:
             progress.close()
@@ -220,15 +231,20 @@ def run(ns: argparse.Namespace) -> int:
     from radixlm.srt.engine import Engine
 
     resume = read_resume_state(ns.output_file) if ns.resume else ResumeState(set(), 0)
-    lines, skipped = read_lines(ns, resume)
+    skipped = [0]
+    # a line that is not UTF-8 becomes that line's JSON error, not the end of the batch
+    f: Any = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace") if ns.input_file == "-" \
+        else open(ns.input_file, encoding="utf-8", errors="replace")
     out: Any = sys.stdout if ns.output_file == "-" else open(ns.output_file, "a" if ns.resume else "w",
                                                               encoding="utf-8")
     try:
         with Engine(**engine_kwargs(ns)) as engine:
-            summary = engine.run_coroutine(_run_on_loop(engine, ns, lines, out))
+            summary = engine.run_coroutine(_run_on_loop(engine, ns, f, resume, skipped, out))
     finally:
         if out is not sys.stdout:
             out.close()
-    summary.skipped = skipped
+        if ns.input_file != "-":
+            f.close()
+    summary.skipped = skipped[0]
     print(summary.line(), file=sys.stderr, flush=True)
     return 0
