@@ -20,7 +20,7 @@ REFRESH_S = 0.5
 
 class TokenProgress:
     def __init__(self, max_new_tokens: list[int | None], tokens_generated: Callable[[], int], desc: str = "generate",
-                 file: TextIO | None = None, disable: bool | None = None) -> None:
+                 file: TextIO | None = None, disable: bool = False) -> None:
         from tqdm import tqdm
 
         self._limits = list(max_new_tokens)  # per request still running (None: unknown)
@@ -29,7 +29,6 @@ class TokenProgress:
         self._finished_tokens = 0
         self._finished = 0
         self.total_requests = len(self._limits)
-        # disable=None: only on a terminal (a log file gets no carriage-return animation)
         self.bar = tqdm(total=None, desc=desc, unit="tok", file=file or sys.stderr, disable=disable,
                         dynamic_ncols=True, mininterval=REFRESH_S)
         self._task: asyncio.Task | None = None

@@ -49,7 +49,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
                    help="requests submitted to the engine at once")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar on stderr (it shows only when stderr is a terminal anyway)")
+                   help="no progress bar on stderr")
     add_engine_options(p)
     return p
 
