@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from typing import Callable, TextIO
 
 # How often the bar reads the token counter.
 REFRESH_S = 0.5
+# With nothing new, the bar is redrawn this often only.
+IDLE_REDRAW_S = 5.0
 
 
 class TokenProgress:
@@ -32,6 +35,7 @@ class TokenProgress:
         self.bar = tqdm(total=None, desc=desc, unit="tok", file=file or sys.stderr, disable=disable,
                         dynamic_ncols=True, mininterval=REFRESH_S)
         self._task: asyncio.Task | None = None
+        self._shown: tuple | None = None
         self.refresh()
 
     @property
@@ -68,7 +72,13 @@ class TokenProgress:
     def refresh(self) -> None:
         done = self.generated
         remaining = self.expected_remaining()
-        self.bar.total = None if remaining is None else done + remaining
+        total = None if remaining is None else done + remaining
+        # the clock every IDLE_REDRAW_S: a stalled bar still shows time passing
+        state = (done, total, self._finished, self.total_requests, int(time.monotonic() // IDLE_REDRAW_S))
+        if state == self._shown:
+            return  # nothing new: no redraw (a log file would get a line per tick)
+        self._shown = state
+        self.bar.total = total
         self.bar.set_postfix_str(f"{self._finished}/{self.total_requests} requests", refresh=False)
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)  # tqdm's smoothed rate follows its updates

@@ -129,3 +129,27 @@ def test_generate_command_matches_transformers_greedy(tiny_llama_dir):
     want = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
     assert out["output_ids"][:len(want)] == want[:len(out["output_ids"])]
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) <= 5
+
+
+@pytest.mark.slow
+def test_the_default_gguf_is_served_as_its_model_name(default_model_path, tmp_path):
+    """The README's first request: `radixlm serve` on the default GGUF, asked for
+    "SmolLM2-135M-Instruct" (and by its older file-stem name)."""
+    if os.path.basename(default_model_path) != "SmolLM2-135M-Instruct.Q4_1.gguf":
+        pytest.skip("another model than the default GGUF")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server_support, "SERVER_ARGS", ())
+        srv = ServerProcess(default_model_path, str(tmp_path / "server.log"))
+    try:
+        srv.wait_ready(timeout=600)
+        models = httpx.get(srv.base + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["SmolLM2-135M-Instruct"]
+        for name in ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1"):
+            r = httpx.post(srv.base + "/v1/chat/completions", timeout=300,
+                           json={"model": name, "messages": [{"role": "user", "content": "Say hi"}],
+                                 "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "SmolLM2-135M-Instruct" and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
