@@ -52,7 +52,8 @@ class BatchLine:
             limit = COMPLETIONS_DEFAULT_MAX_TOKENS
         if not isinstance(limit, int):
             return None
-        n = body.get("n") if isinstance(body.get("n"), int) else 1
+        n_field = body.get("n")
+        n = n_field if isinstance(n_field, int) else 1
         prompt = body.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
         return limit * n * prompts

@@ -123,11 +123,11 @@ class BatchRunner:
 
         try:
             if line.url == CHAT_URL:
-                req = body_as(line.body, ChatCompletionRequest, self.nesting)
-                response = await self.serving.create_chat_completion(req, self._never_disconnects)
+                chat = body_as(line.body, ChatCompletionRequest, self.nesting)
+                response = await self.serving.create_chat_completion(chat, self._never_disconnects)
             else:
-                req = body_as(line.body, CompletionRequest, self.nesting)
-                response = await self.serving.create_completion(req, self._never_disconnects)
+                completion = body_as(line.body, CompletionRequest, self.nesting)
+                response = await self.serving.create_completion(completion, self._never_disconnects)
         except HTTPError as e:
             return error_record(line.custom_id, e.message, e.status, e.param)
         except ValueError as e:

@@ -54,7 +54,18 @@ def sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_sampling_defaults(model_path: str) -> dict[str, Any]:
-    return sampling_defaults(read_generation_config(model_path))
+    """The checked sampling defaults: a value radixlm would refuse in a request is dropped
+    (with a warning) instead of failing every request that leaves it unset."""
+    from radixlm.sampling_params import SamplingParams
+
+    defaults = sampling_defaults(read_generation_config(model_path))
+    for key, value in list(defaults.items()):
+        try:
+            SamplingParams.from_dict({key: value}).verify()
+        except ValueError as e:
+            logger.warning("ignoring %s=%r of %s: %s", key, value, FILE_NAME, e)
+            del defaults[key]
+    return defaults
 
 
 def with_sampling_defaults(sampling_params: Any, defaults: dict[str, Any]) -> Any:

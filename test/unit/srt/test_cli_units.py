@@ -55,6 +55,11 @@ def test_sampling_defaults_fill_only_what_a_request_leaves_unset(tmp_path):
     assert eos_token_ids({"eos_token_id": [2, 7]}) == [2, 7] and eos_token_ids({"eos_token_id": 3}) == [3]
 
 
+def test_a_default_no_request_could_use_is_dropped(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1, "top_p": 0.8}))
+    assert model_sampling_defaults(str(tmp_path)) == {"top_p": 0.8}
+
+
 def test_a_gguf_file_or_a_broken_config_has_no_defaults(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
