@@ -129,6 +129,11 @@ def test_generate_command_matches_transformers_greedy(tiny_llama_dir):
     want = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
     assert out["output_ids"][:len(want)] == want[:len(out["output_ids"])]
     assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) <= 5
+    streamed = subprocess.run([sys.executable, "-m", "radixlm", "generate", prompt, "--model-path", tiny_llama_dir,
+                               "--dtype", "float32", "--no-chat", "--temperature", "0", "--max-new-tokens", "5",
+                               "--stream"], capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                              timeout=600)
+    assert streamed.returncode == 0 and streamed.stdout == out["text"] + "\n", streamed.stderr
 
 
 @pytest.mark.slow
