@@ -1,101 +1,20 @@
 """Command line (also the `radixlm` console script):
 
-    python -m radixlm generate "prompt"     # one completion, offline
-    python -m radixlm serve --port 30000    # the OpenAI-compatible and native HTTP server
+    python -m radixlm serve --port 30000                  # the OpenAI-compatible and native HTTP server
+    python -m radixlm generate "prompt"                   # one completion, in-process
+    python -m radixlm run-batch -i in.jsonl -o out.jsonl  # an OpenAI batch file, in-process
+
+The commands live in radixlm/srt/cli/ (docs/cli.md).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-
-from radixlm.config import ServerArgs
-
-
-def _generate(ns: argparse.Namespace) -> int:
-    from radixlm.srt.engine import Engine
-
-    args = ServerArgs.from_cli_args(ns)
-    with Engine(**{k: v for k, v in vars(args).items()}) as engine:
-        prompt = ns.prompt
-        if not ns.raw and getattr(engine.tokenizer, "chat_template", None):
-            prompt = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
-        if ns.stream:
-            for chunk in engine.generate(prompt, params, stream=True):
-                print(chunk["text"], end="", flush=True)
-            print()
-        else:
-            out = engine.generate(prompt, params)
-            print(json.dumps(out, indent=2) if ns.json else out["text"])
-    return 0
-
-
-def _serve(ns: argparse.Namespace) -> int:
-    if ns.dp_size > 1:
-        from radixlm.srt.fleet.launch import FleetOptions, launch_dp
-
-        from radixlm.feature_rules import check_fleet_features
-
-        try:
-            check_fleet_features(ns.dp_size, ns.speculative_algorithm)
-        except ValueError as e:
-            raise SystemExit(f"radixlm: {e}") from None
-
-        options = FleetOptions(ns.dp_size, ns.dp_router, ns.dp_policy)
-        return launch_dp(ServerArgs.from_cli_args(ns), options, served_model_name=ns.served_model_name)
-    from radixlm.srt.http_server import launch_server
-
-    launch_server(ServerArgs.from_cli_args(ns), served_model_name=ns.served_model_name)
-    return 0
-
-
-def _exit_now(code: int) -> None:
-    """End a server process whose children are stopped and files removed, without the
-    interpreter's finalization (seconds of garbage collection over torch's module state)."""
-    import logging
-    import os
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    gen.add_argument("--json", action="store_true", help="print the whole result with meta_info")
-    ServerArgs.add_cli_args(gen)
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible and native HTTP API")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients use (default: the model path's basename)")
-    srv.add_argument("--dp-size", type=int, default=1,
-                     help="engine replicas on this machine (one process each, the CPU cores split between "
-                          "them) behind a router on --host/--port")
-    srv.add_argument("--dp-router", choices=("auto", "smg", "builtin"), default="auto",
-                     help="the router in front of the replicas: the SGLang Model Gateway (smg) when it is "
-                          "installed (auto), or radixlm's built-in dispatcher")
-    srv.add_argument("--dp-policy", default="cache_aware",
-                     help="routing policy (smg's --policy; the built-in dispatcher takes cache_aware = "
-                          "prefix_hash, or round_robin)")
-    ServerArgs.add_cli_args(srv)
-    ns = parser.parse_args(argv)
-    if ns.command == "generate":
-        return _generate(ns)
-    if ns.command == "serve":
-        code = _serve(ns)
-        if argv is None:  # the command line, not a caller in this interpreter
-            _exit_now(code)
-        return code
-    return 2
+    from radixlm.srt.cli.main import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ class ServerArgs:
                                         f"names: {', '.join(TOOL_CALL_PARSER_NAMES)}); default: chosen from the "
                                         "chat template, and without one tool_choice=auto answers plain text",
                                         choices=(None, *TOOL_CALL_PARSER_NAMES), default=None)
-    dtype: str = _opt("weights and activations dtype; auto picks bf16 on CPUs with AMX, else float32",
+    dtype: str = _opt("weights and activations dtype; auto: bfloat16 on CPUs with AMX-BF16 or AVX512-BF16 and on "
+                      "GPUs that support it, else float32",
                       choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     quantization: str | None = _opt("w8a8_int8: int8 weights (per channel) and activations (per token) "
                                     "through int8 GEMMs, CPU only; default: none (the dtype above)",

@@ -274,11 +274,12 @@ class Engine:
             await agen.aclose()  # the request's clean-up runs now, not when it is collected
 
     async def _collect_with_progress(self, kw: dict, n: int):
-        from tqdm import tqdm
+        from radixlm.srt.progress import TokenProgress
 
         tm = self.tokenizer_manager
         items, _ = tm.normalize(**{k: v for k, v in kw.items() if k != "return_text_in_logprobs"})
-        bar = tqdm(total=n, desc="generate", unit="req")
+        bar = TokenProgress([it.sampling_params.max_new_tokens * it.sampling_params.n for it in items],
+                            lambda: tm.tokens_generated).start()
 
         async def one(i: int):
             sub = dict(kw)
@@ -294,8 +295,9 @@ class Engine:
                 if isinstance(sub.get(name), list):
                     sub[name] = sub[name][i]
             out = await self._collect(tm.generate_request(**sub))
-            bar.update(1)
-            return out if isinstance(out, list) else [out]
+            outs = out if isinstance(out, list) else [out]
+            bar.finish(i, sum(o["meta_info"]["completion_tokens"] for o in outs))
+            return outs
         try:
             groups = await asyncio.gather(*(one(i) for i in range(len(items))))
         finally:
@@ -347,6 +349,12 @@ class Engine:
         finally:
             if not self._closed:
                 await self._bridge(agen.aclose())
+
+    def run_coroutine(self, coro):
+        """Run `coro` on the engine's event loop, where its TokenizerManager lives (what
+        `radixlm run-batch` drives the OpenAI request handling on), and block for its result;
+        an interrupted wait cancels it."""
+        return self._call(coro)
 
     # ------------------------------------------------------------------ control
     def abort_request(self, rid: str = "", abort_all: bool = False, prefix: bool = False) -> int:

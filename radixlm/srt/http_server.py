@@ -41,6 +41,7 @@ from radixlm.srt.http_worker_routes import add_worker_routes
 from radixlm.srt.openai_responses import ResponsesServing, add_responses_routes
 from radixlm.srt.responses_protocol import ResponsesRequest
 from radixlm.srt.launch import describe as describe_process
+from radixlm.srt.served_name import default_served_model_name
 from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                          PauseRequest)
 from radixlm.validation import describe
@@ -62,9 +63,6 @@ REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/
                   ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
                   ("POST", "/pause_generation"): PauseRequest, ("POST", "/v1/responses"): ResponsesRequest,
                   **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
-def default_served_model_name(model_path: str) -> str:
-    name = os.path.basename(model_path.rstrip("/")) or model_path
-    return name[:-5] if name.lower().endswith(".gguf") else name
 
 
 @dataclass

@@ -71,8 +71,14 @@ async def parse_body(request: Request, model: type[M]) -> M:
         data = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError as e:
         raise HTTPError(f"malformed JSON body: {e}") from e
+    return body_as(data, model, getattr(request.app.state, "max_json_nesting", 64))
+
+
+def body_as(data: Any, model: type[M], max_json_nesting: int = 64) -> M:
+    """A parsed JSON body as `model`, or HTTPError(400) naming the bad field (the HTTP routes
+    and `radixlm run-batch` check a body the same way)."""
     try:
-        check_nesting(data, getattr(request.app.state, "max_json_nesting", 64), "the request body")
+        check_nesting(data, max_json_nesting, "the request body")
         return model.model_validate(data)
     except ValidationError as e:
         message, param = describe(e)

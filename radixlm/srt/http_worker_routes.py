@@ -73,12 +73,19 @@ def redact_paths(info: dict) -> dict:
     return info
 
 
-def model_info(ctx) -> dict:
+def model_info(ctx, admin: bool = True) -> dict:
+    """SGLang's model info, with the sampling defaults read from the model's generation config;
+    file system paths only for admins (as in server_info)."""
     tm = ctx.tm
-    return {"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
+    info = {"model_path": tm.model_path, "tokenizer_path": tm.tokenizer_path,
             "is_generation": True, "context_length": tm.context_len, "vocab_size": tm.vocab_size,
             "served_model_name": ctx.served_model_name, "weight_version": tm.weight_version,
+            "default_sampling_params": dict(getattr(tm, "sampling_defaults", {})),
             "has_image_understanding": False, "has_audio_understanding": False}
+    if not admin:
+        for k in PATH_ARGS:
+            info.pop(k)
+    return info
 
 
 def load_snapshot(info: dict, throughput: float) -> dict:
@@ -113,7 +120,7 @@ def add_worker_routes(app: FastAPI, ctx_of: Callable[[Request], object]) -> None
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info(request: Request):
-        return ORJSONResponse(model_info(ctx_of(request)))
+        return ORJSONResponse(model_info(ctx_of(request), admin=auth_of(request).admin))
 
     @app.get("/v1/loads")
     async def loads(request: Request, include: str = "core"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from radixlm.srt.http_utils import (SSE_DONE, HTTPError, ORJSONResponse, SSEResp
                                     merge_streams, next_or_disconnect, sse_event)
 from radixlm.srt.openai_format import (TokenBytes, chat_logprobs, completion_logprobs, finish_reason_str,
                                        matched_stop, merge_completion_logprobs, usage_from)
+from radixlm.srt.served_name import model_name_aliases
 from radixlm.srt.openai_protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                          ChatCompletionStreamResponse, ChatResponseMessage, ChatStreamChoice,
                                          CompletionChoice, CompletionRequest, CompletionResponse,
@@ -101,8 +101,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ models
     def model_names(self) -> set[str]:
-        path = self.tm.model_path
-        return {self.served_model_name, path, os.path.basename(path.rstrip("/"))}
+        return model_name_aliases(self.tm.model_path, self.served_model_name)
 
     def models(self) -> ModelList:
         # root is the served name, as vLLM and SGLang report it (not a file-system path)

@@ -2,9 +2,12 @@
 (`text`, `output_ids`, `meta_info`) the Engine and the native HTTP routes return."""
 from __future__ import annotations
 
+import logging
 import time
 
 from radixlm.srt.request_table import ReqState
+
+logger = logging.getLogger(__name__)
 
 
 def absorb(st: ReqState, metrics=None) -> dict:
@@ -27,12 +30,22 @@ def absorb(st: ReqState, metrics=None) -> dict:
             st.finish_reason = out.finish_reason
             if metrics is not None:
                 metrics.on_finish(st, out)
+            _log_finish(st, out)
     st.pending.clear()
     st.text += text
     st.output_ids.extend(ids)
     st.output_token_logprobs.extend(lps)
     st.output_top_logprobs.extend(tops)
     return {"text": text, "output_ids": ids, "lps": lps, "tops": tops}
+
+
+def _log_finish(st: ReqState, out) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        reason = out.finish_reason or {}
+        why = reason.get("type", "?") + (f" {reason['message']!r}" if reason.get("message") else "")
+        logger.debug("request %s finished (%s): %d prompt tokens (%d cached), %d completion tokens, %.3f s",
+                     st.rid, why, out.prompt_tokens, out.cached_tokens, out.completion_tokens,
+                     time.perf_counter() - st.start)
 
 
 def spec_meta(verify_ct: int, drafted: int, accepted: int) -> dict:

@@ -30,6 +30,7 @@ from radixlm.srt.request_table import (PAUSED, SENT, USER_ABORT, WEIGHT_LOCK, Ca
 from radixlm.srt.results import absorb, early_abort_results, result
 from radixlm.srt.rwlock import RWLock
 from radixlm.srt.text_bound import max_chars_per_token
+from radixlm.srt.weights.generation_config import model_sampling_defaults, with_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class TokenizerManager:
         # --skip-tokenizer-init: ids in, ids out; results carry no "text" (as SGLang answers)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         max_chars_per_token(self.tokenizer)  # read from the vocabulary once, now, not in a request
+        # what a request leaves unset comes from the model's generation_config.json
+        self.sampling_defaults = model_sampling_defaults(self.model_path)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
         self.limits = args.request_limits()
         self._actx = zmq.asyncio.Context()
         self._sctx = zmq.Context()
@@ -111,6 +116,7 @@ class TokenizerManager:
         self._loop_task: asyncio.Task | None = None
         self.metrics = RuntimeMetrics()
         self.last_receive_time = time.time()
+        self.tokens_generated = 0  # every output token received (progress bars read it)
 
     @property
     def states(self) -> dict[str, ReqState]:
@@ -159,6 +165,7 @@ class TokenizerManager:
         if o.failed:  # ended by the detokenizer: stop its generation too (once: st is done now)
             self.to_scheduler.send(AbortReq(rids=[st.sched_rid], sent_time=time.time()))
         now = time.perf_counter()
+        self.tokens_generated += len(o.out.new_token_ids)
         if o.out.new_token_ids:
             if st.first_token_time is None:
                 st.first_token_time = now
@@ -407,6 +414,7 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     def normalize(self, **kw) -> tuple[list[GenerateItem], bool]:
+        kw["sampling_params"] = with_sampling_defaults(kw.get("sampling_params"), self.sampling_defaults)
         return normalize_generate(self.tokenizer, vocab_size=self.vocab_size, context_len=self.context_len,
                                   limits=self.limits, **kw)
 

@@ -466,7 +466,7 @@ def test_serve_dp_size_two(tiny_llama_dir, tmp_path, router):
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "radixlm", "serve", "--dp-size", "2", "--dp-router", router,
                              "--model-path", tiny_llama_dir, "--dtype", "float32", "--max-total-tokens", "4096",
-                             "--served-model-name", "tiny_llama", "--port", str(port)],
+                             "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
     try:
@@ -479,6 +479,13 @@ def test_serve_dp_size_two(tiny_llama_dir, tmp_path, router):
         assert len(replica_urls) == 2
         out = httpx.post(url + "/generate", timeout=60, json={"text": "dp", "sampling_params": {"max_new_tokens": 3}})
         assert out.status_code == 200 and out.json()["meta_info"]["completion_tokens"] == 3
+        # no --served-model-name: the replicas serve the model's own name (the checkpoint directory's),
+        # and behind the built-in dispatcher, which lets the replicas check it, its aliases too
+        name = os.path.basename(tiny_llama_dir)
+        for model in [name] + ([tiny_llama_dir] if router == "builtin" else []):
+            chat = httpx.post(url + "/v1/chat/completions", timeout=60,
+                              json={"model": model, "messages": [{"role": "user", "content": "dp"}], "max_tokens": 2})
+            assert chat.status_code == 200 and chat.json()["model"] == name, chat.text
         pids.append(router_pid)
         cpu_sets = []
         for r in replica_urls:

@@ -24,9 +24,9 @@ def test_fleet_refuses_speculation_behind_the_gateway():
 def test_serve_says_why_in_one_line(capsys):
     from radixlm.__main__ import main
 
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--dp-size", "2", "--speculative-algorithm", "ngram"])
-    assert str(e.value).startswith("radixlm: --speculative-algorithm with --dp-size > 1 is refused: ")
+    assert main(["serve", "--dp-size", "2", "--speculative-algorithm", "ngram"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("radixlm: error: --speculative-algorithm with --dp-size > 1 is refused: ")
 
 
 def test_runtime_refuses_speculation_off_the_cpu_backend_or_with_overlap():

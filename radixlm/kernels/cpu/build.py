@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -116,6 +117,9 @@ def _library_path(cxx: str, flags: list[str] = FLAGS) -> Path:
 
 def _build(cxx: str, target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
+    # The only wait of a first start the user cannot otherwise explain (tens of seconds)
+    print(f"radixlm: compiling the native CPU kernels for this CPU (first use only; cached in {target.parent})",
+          file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=target.parent) as objdir:

@@ -11,6 +11,7 @@ import fcntl
 import importlib.util
 import logging
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -105,6 +106,8 @@ def _gguf_weights_cache(path: str, model_config: ModelConfig) -> str | None:
             return cache_file  # another process wrote it while this one waited
         # Dequantize everything (~0.5 GB float32 for 135M params) and write it once; from
         # then on loading is a memory-mapped read.
+        print(f"radixlm: dequantizing {os.path.basename(path)} to float32 (first use only; cached in "
+              f"{os.path.dirname(cache_file)})", file=sys.stderr, flush=True)
         tensors = dict(iter_gguf_weights(path, model_config))
         try:
             save_safetensors_atomic(tensors, cache_file, {"radixlm_cache_format": _CACHE_FORMAT,

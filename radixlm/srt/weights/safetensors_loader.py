@@ -10,6 +10,7 @@ import torch
 
 from radixlm.config import ModelConfig
 from radixlm.srt.distributed.layout import Shard
+from radixlm.srt.weights.generation_config import eos_token_ids, read_generation_config
 
 # Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
 ShardOf = Callable[[str], Shard | None]
@@ -55,12 +56,10 @@ def hf_model_config(model_dir: str) -> ModelConfig:
         rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
 
     eos = list(_eos_tuple(cfg.get("eos_token_id")))
-    gen_path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen_path):
-        # Chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.
-        for e in _eos_tuple(_read_json(gen_path).get("eos_token_id")):
-            if e not in eos:
-                eos.append(e)
+    # Chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.
+    for e in eos_token_ids(read_generation_config(model_dir)):
+        if e not in eos:
+            eos.append(e)
 
     return ModelConfig(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,

@@ -1,0 +1,1 @@
+"""The `radixlm` command line: `serve`, `generate` and `run-batch` (docs/cli.md)."""
