@@ -10,12 +10,13 @@ import torch
 
 from radixlm.config import ModelConfig
 from radixlm.srt.distributed.layout import Shard
+from radixlm.srt.weights.gemma_config import GEMMA_ARCHS, GEMMA_MODEL_TYPES, gemma_model_config
 
 # Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
 ShardOf = Callable[[str], Shard | None]
 
 # Architectures with the Llama layout; Qwen2 differs only by q/k/v biases.
-HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM") + GEMMA_ARCHS
 
 
 def _eos_tuple(value: Any) -> tuple[int, ...]:
@@ -39,6 +40,8 @@ def hf_model_config(model_dir: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                    "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+    if (arch or GEMMA_MODEL_TYPES.get(cfg.get("model_type", ""))) in GEMMA_ARCHS:  # Gemma 2/3: own fields
+        return gemma_model_config(model_dir, cfg, arch or GEMMA_MODEL_TYPES[cfg["model_type"]])
     if arch not in HF_ARCHS:
         raise ValueError(f"{model_dir}: architecture {arch or cfg.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(HF_ARCHS)})")
