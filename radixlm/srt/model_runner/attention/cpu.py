@@ -23,10 +23,10 @@ rows it dequantizes while packing); elsewhere they take torch_native's SDPA path
 is one C call (row copies) instead of two index_copy_.
 
 SLIDING-WINDOW layers (Gemma 2/3: a query at position p sees keys p - W < j <= p) run on the
-decode kernel in every mode: each query is one CSR row over its window, cut from this forward's
-rows (decode, short extends) or built per new token (long extends, which the prefill kernel
-would otherwise take: it has no lower key bound). Soft-capped scores (Gemma 2) are not in the
-kernels: those layers attend in torch (masked.py).
+decode kernel in every mode: each new token is one CSR row over its window (built once per
+forward, masked.window_rows), long extends included, which the prefill kernel would otherwise
+take (it has no lower key bound): W keys per token, where a full layer reads them all.
+Soft-capped scores (Gemma 2) are not in the kernels: those layers attend in torch (masked.py).
 
 An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
 kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix (and long
@@ -34,14 +34,14 @@ extends without the prefill kernel) are dequantized by the pool (gather_kv) for 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.kernels.indices import build_indptr, build_kv_indices
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
-from radixlm.srt.model_runner.attention.masked import trim_rows
+from radixlm.srt.model_runner.attention.masked import window_rows
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -50,8 +50,6 @@ from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 class _NativeDecode:
     kv_indptr: torch.Tensor  # int64 [B + 1]
     kv_indices: torch.Tensor  # int64 [sum of key counts]
-    # window -> the same rows cut to their last `window` keys (sliding layers), built on first use
-    windowed: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -59,9 +57,6 @@ class _NativeExtend:
     q_indptr: torch.Tensor  # int64 [B + 1] over the new tokens
     kv_indptr: torch.Tensor  # int64 [B + 1] over each request's keys (prefix + new tokens)
     kv_indices: torch.Tensor  # int64 pool slots
-    # window -> one decode-style row per new token over its window (sliding layers), or None
-    # where those rows would exceed MAX_SHORT_EXTEND_KEYS; built on first use
-    windowed: dict = field(default_factory=dict)
 
 
 SHORT_EXTEND = 64  # longest extend (new tokens of one request) taken as decode-style rows
@@ -85,6 +80,9 @@ class CpuNativeAttention(TorchNativeAttention):
                                   and kv_pool.dtype in (torch.float32, torch.bfloat16))
         self.native_extend = (getattr(kv_pool, "compute_dtype", kv_pool.dtype) == torch.bfloat16
                               and cpu_ops.extend_attention_supported(num_heads, num_kv_heads, head_dim))
+        # The forward whose sliding-window rows _windows holds (window -> rows, or None).
+        self._windows_of: ForwardBatch | None = None
+        self._windows: dict[int, _NativeDecode | None] = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.req_to_token.device.type != "cpu" or not self.native_decode:
@@ -159,11 +157,11 @@ class CpuNativeAttention(TorchNativeAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        meta = fb.attn_metadata
-        if not isinstance(meta, (_NativeDecode, _NativeExtend)):
-            return super().forward(q, k, v, layer_id, fb, scale, window, softcap)
         if window is not None or softcap is not None:
             return self._forward_masked(q, k, v, layer_id, fb, scale, window, softcap)
+        meta = fb.attn_metadata
+        if not isinstance(meta, (_NativeDecode, _NativeExtend)):
+            return super().forward(q, k, v, layer_id, fb, scale)
         self._store(layer_id, k, v, fb.out_cache_loc)
         if isinstance(meta, _NativeExtend):
             return self._extend_native(q, layer_id, meta, scale)
@@ -187,34 +185,26 @@ class CpuNativeAttention(TorchNativeAttention):
 
     def _forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         fb: ForwardBatch, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-        """A sliding-window layer on the decode kernel, each query one CSR row over its window
-        (this forward's rows cut to their last `window` keys; an extend's new tokens each get a
-        row); soft-capped scores, which the kernels do not compute, in torch (masked.py)."""
+        """A sliding-window layer on the decode kernel, each new token one CSR row over its window,
+        in every forward mode; soft-capped scores, which the kernels do not compute, in torch
+        (masked.py), as are shapes the kernel does not take."""
         self._store(layer_id, k, v, fb.out_cache_loc)
-        rows = None if softcap is not None or window is None else self._window_rows(fb, window)
+        rows = None
+        if softcap is None and window is not None and self.native_decode and fb.req_to_token.device.type == "cpu":
+            rows = self._window_rows(fb, window)
         if rows is None:
             return self._attend_masked(q, layer_id, fb, scale, window, softcap)
         return self._attend_rows(q, layer_id, rows, scale)
 
     def _window_rows(self, fb: ForwardBatch, window: int) -> _NativeDecode | None:
-        meta = fb.attn_metadata
-        assert isinstance(meta, (_NativeDecode, _NativeExtend))
-        if window in meta.windowed:
-            return meta.windowed[window]
-        if isinstance(meta, _NativeDecode):
-            # Each row's keys end at its query's own position: keep the last `window`.
-            ends = meta.kv_indptr[1:]
-            rows: _NativeDecode | None = _NativeDecode(*trim_rows(ends, ends - meta.kv_indptr[:-1],
-                                                                  meta.kv_indices, window))
-        else:
-            # New token at position p of request b: keys [0, p] of b's, kv_indptr[b] on.
-            lens = fb.positions + 1
-            rows = None
-            if int(lens.clamp(max=window).sum()) <= MAX_SHORT_EXTEND_KEYS:
-                base = torch.repeat_interleave(meta.kv_indptr[:-1], fb.extend_seq_lens, output_size=fb.num_tokens)
-                rows = _NativeDecode(*trim_rows(base + lens, lens, meta.kv_indices, window))
-        meta.windowed[window] = rows
-        return rows
+        """window_rows of this forward, built once for all its sliding layers; None (the torch
+        path) past MAX_SHORT_EXTEND_KEYS indices."""
+        if self._windows_of is not fb:
+            self._windows_of, self._windows = fb, {}
+        if window not in self._windows:
+            keys = int((fb.positions + 1).clamp(max=window).sum())
+            self._windows[window] = _NativeDecode(*window_rows(fb, window)) if keys <= MAX_SHORT_EXTEND_KEYS else None
+        return self._windows[window]
 
     def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
         pool = self.kv_pool

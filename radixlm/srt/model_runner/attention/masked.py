@@ -66,16 +66,19 @@ def attend_masked(q: torch.Tensor, fb: ForwardBatch, gather: Gather, group: int,
     return out
 
 
-def trim_rows(ends: torch.Tensor, lens: torch.Tensor, indices: torch.Tensor,
-              window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSR rows of decode-style attention (one query per row, its keys in position order ending
-    at the query's own) cut to their last `window` keys: row r holds indices[ends[r] - lens[r] :
-    ends[r]] and becomes its last min(lens[r], window). Returns (indptr [R + 1], indices), int64."""
-    keep = lens.clamp(max=window)
-    indptr = torch.zeros(keep.numel() + 1, dtype=torch.int64, device=keep.device)
+def window_rows(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-style CSR rows of a sliding layer: new token t of the batch (its request's row r,
+    position p) is one row over req_to_token[r, max(0, p - window + 1) : p + 1], in position order.
+    Returns (indptr [T + 1], slot indices), int64 on the host; any forward mode (a decode step's
+    tokens are their requests' single new tokens)."""
+    table = fb.req_to_token
+    rows = torch.repeat_interleave(fb.req_pool_indices.cpu(), fb.extend_seq_lens.cpu(), output_size=fb.num_tokens)
+    ends = fb.positions.cpu() + 1
+    keep = ends.clamp(max=window)
+    indptr = torch.zeros(keep.numel() + 1, dtype=torch.int64)
     torch.cumsum(keep, 0, out=indptr[1:])
     total = int(indptr[-1])
-    # Element e of row r: indices[ends[r] - keep[r] + (e - indptr[r])].
-    shift = torch.repeat_interleave(ends - keep - indptr[:-1], keep, output_size=total)
-    offsets = torch.arange(total, dtype=torch.int64, device=keep.device) + shift
-    return indptr, indices.index_select(0, offsets)
+    # Element e of row t: the table's flat entry rows[t] * stride + ends[t] - keep[t] + (e - indptr[t]).
+    shift = torch.repeat_interleave(rows * table.stride(0) + ends - keep - indptr[:-1], keep, output_size=total)
+    offsets = torch.arange(total, dtype=torch.int64) + shift
+    return indptr, table.reshape(-1).index_select(0, offsets)
