@@ -195,3 +195,30 @@ def test_decode_after_refill_matches(pair):
     for i in range(25, len(ids)):
         logits = h.decode([again], [ids[i]])
         torch.testing.assert_close(logits[0], _hf_logits(hf, ids[:i + 1])[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["bfloat16", "w8a8_int8", "int8_kv"])
+def test_lower_precision_close_to_float32(gemma3_dir, variant):
+    """bf16 weights (the cpu backend's native prefill and windowed decode rows), int8 linears
+    and an int8 KV pool stay near the float32 logits, past the window."""
+    from radixlm.srt.model_runner.attention.base import create_attention_backend
+    from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
+
+    cfg = load_model_config(gemma3_dir)
+    prompts = _prompts(cfg.vocab_size, seed=6)
+    ref = ModelHarness(load_model(gemma3_dir, cfg, torch.float32, "cpu"), backend="cpu")
+    want = torch.cat(ref.extend([ref.new_request() for _ in prompts], prompts))
+    dtype = torch.bfloat16 if variant == "bfloat16" else torch.float32
+    model = load_model(gemma3_dir, cfg, dtype, "cpu")
+    if variant == "w8a8_int8":
+        model.set_quantization("w8a8_int8")
+    h = ModelHarness(model, dtype=dtype, backend="cpu")
+    if variant == "int8_kv":
+        h.kv_pool = MHATokenToKVPool(4096, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                                     "cpu", kv_cache_dtype="int8")
+        h.attn = create_attention_backend("cpu", h.kv_pool, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim)
+    got = torch.cat(h.extend([h.new_request() for _ in prompts], prompts))
+    assert not torch.equal(got, want)  # it did run in lower precision
+    got, want = got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.99  # every position
