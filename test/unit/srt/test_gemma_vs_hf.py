@@ -222,3 +222,28 @@ def test_lower_precision_close_to_float32(gemma3_dir, variant):
     assert not torch.equal(got, want)  # it did run in lower precision
     got, want = got - got.mean(-1, keepdim=True), want - want.mean(-1, keepdim=True)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() > 0.99  # every position
+
+
+def test_image_text_checkpoint_serves_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (text_config nested, language_model.* names, a
+    vision tower) loads as its text model: text-only prompts give the HF model's logits."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(51)
+    text = Gemma3TextConfig(**SHAPE, sliding_window_pattern=2)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                     mm_tokens_per_image=4, image_token_index=511,
+                                                     boi_token_index=509, eoi_token_index=510)).eval()
+    _randomize_norms(hf, 52)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    cfg = load_model_config(str(tmp_path))
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.sliding_window == WINDOW
+    ours = load_model(str(tmp_path), cfg, torch.float32, "cpu")
+    prompts = _prompts(500, seed=7)  # ids below the image tokens'
+    h = ModelHarness(ours, backend="cpu")
+    for ids, logits in zip(prompts, h.extend([h.new_request() for _ in prompts], prompts)):
+        with torch.inference_mode():
+            want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
