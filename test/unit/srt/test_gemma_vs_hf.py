@@ -241,7 +241,7 @@ def test_image_text_checkpoint_serves_its_text_model(tmp_path):
     cfg = load_model_config(str(tmp_path))
     assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.sliding_window == WINDOW
     ours = load_model(str(tmp_path), cfg, torch.float32, "cpu")
-    prompts = _prompts(500, seed=7)  # ids below the image tokens'
+    prompts = _prompts(500, seed=7)  # ids below the image tokens
     h = ModelHarness(ours, backend="cpu")
     for ids, logits in zip(prompts, h.extend([h.new_request() for _ in prompts], prompts)):
         with torch.inference_mode():
