@@ -107,3 +107,38 @@ def gemma_model_config(model_dir: str, cfg: dict, arch: str) -> ModelConfig:
         layer_types=_layer_types(text, n_layers) if window else (), sliding_window=int(window) if window else None,
         rope_local_base_freq=local_theta, attn_logit_softcapping=softcap("attn_logit_softcapping"),
         final_logit_softcapping=softcap("final_logit_softcapping"))
+
+
+# ---- GGUF (llama.cpp's gemma2 / gemma3) ----
+GEMMA_GGUF_ARCHS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp's Gemma 3 fixes what its files may leave out: every 6th layer global, the local rope
+# base 10,000 (unscaled); Gemma 2 alternates, one rope.
+_GGUF_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GGUF_LOCAL_BASE = {"gemma3": 10_000.0}
+# Gemma 2/3 27B scale queries by hidden / heads, the others by head_dim; llama.cpp tells the 27B
+# models by their depth, the files do not store query_pre_attn_scalar.
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def gemma_gguf_config(base: ModelConfig, arch: str, get: Any) -> ModelConfig:
+    """`base` (what the Llama-shaped keys gave) with Gemma's fields from GGUF metadata; `get(key)`
+    reads `{arch}.{key}` (None when absent)."""
+    import dataclasses
+
+    n = base.num_hidden_layers
+    window = get("attention.sliding_window")
+    pattern = get("attention.sliding_window_pattern") or _GGUF_PATTERN[arch]
+    if isinstance(pattern, list):  # per layer: True = sliding
+        if len(pattern) != n:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        types = tuple("sliding_attention" if s else "full_attention" for s in pattern)
+    else:
+        types = tuple("sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n))
+    local = get("rope.freq_base_swa") or _GGUF_LOCAL_BASE.get(arch)
+    scalar = base.hidden_size / base.num_attention_heads if n == _GGUF_27B_LAYERS[arch] else base.head_dim
+    cap = lambda key: None if get(key) is None else float(get(key))  # noqa: E731
+    return dataclasses.replace(
+        base, architecture=GEMMA_GGUF_ARCHS[arch], hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(scalar), layer_types=types if window else (),
+        sliding_window=int(window) if window else None, rope_local_base_freq=None if local is None else float(local),
+        attn_logit_softcapping=cap("attn_logit_softcapping"), final_logit_softcapping=cap("final_logit_softcapping"))
