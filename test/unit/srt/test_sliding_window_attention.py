@@ -144,3 +144,25 @@ def test_forward_rows_with_a_window():
         ref = _reference(b.q[rows[i]:rows[i] + 1].float(), b.stored(r, p + e, 0), b.stored(r, p + e, 1),
                          [p + e - 1], 12, None)
         torch.testing.assert_close(out[i:i + 1].double(), ref, atol=TOL[torch.bfloat16], rtol=0)
+
+
+def test_gpu_backends_refuse_what_they_cannot_do():
+    """triton has no lower key bound (its kernels do soft-cap); flashinfer's plans are per forward:
+    both refuse a sliding-window model at start-up with a one-line reason."""
+    from radixlm.config import ModelConfig
+    from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, check_model_attention
+
+    gemma3 = ModelConfig(architecture="Gemma3ForCausalLM", num_hidden_layers=2, sliding_window=8,
+                         layer_types=("sliding_attention", "full_attention"))
+    gemma2 = ModelConfig(architecture="Gemma2ForCausalLM", num_hidden_layers=2, attn_logit_softcapping=50.0)
+    for name in ("triton", "flashinfer"):
+        backend = ATTENTION_BACKENDS.get(name)
+        with pytest.raises(ValueError, match="sliding-window attention"):
+            check_model_attention(backend, name, gemma3)
+        check_model_attention(backend, name, ModelConfig())  # Llama: fine
+    check_model_attention(ATTENTION_BACKENDS.get("triton"), "triton", gemma2)  # logit_cap
+    with pytest.raises(ValueError, match="soft-capping"):
+        check_model_attention(ATTENTION_BACKENDS.get("flashinfer"), "flashinfer", gemma2)
+    for name in ("cpu", "torch_native"):
+        check_model_attention(ATTENTION_BACKENDS.get(name), name, gemma3)
+        check_model_attention(ATTENTION_BACKENDS.get(name), name, gemma2)
