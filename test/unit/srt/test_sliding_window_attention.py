@@ -1,10 +1,10 @@
 """Sliding-window and soft-capped attention of the CPU backends against a float64 reference.
 
-The cpu backend runs a sliding layer on the native decode kernel with one CSR row per query cut
-to its window (a decode step; short extends; long extends, which would otherwise take the
-prefill kernel), and soft-capped layers in torch; torch_native runs both in torch. Each batch
-mixes requests whose cached prefix is longer than the window with fresh ones, over a pool whose
-slots are shuffled, so a wrong cut reads wrong keys.
+The cpu backend runs a sliding layer on the native prefill kernel with its window (bf16 long
+extends) or the decode kernel with one CSR row per query cut to its window (a decode step; short
+extends; float32 long extends), and soft-capped layers in torch; torch_native runs both in
+torch. Each batch mixes requests whose cached prefix is longer than the window with fresh ones,
+over a pool whose slots are shuffled, so a wrong cut reads wrong keys.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.srt.model_runner.attention.base import create_attention_backend
-from radixlm.srt.model_runner.attention.cpu import SHORT_EXTEND, CpuNativeAttention
+from radixlm.srt.model_runner.attention.cpu import SHORT_EXTEND, CpuNativeAttention, _NativeExtend
 from radixlm.srt.model_runner.attention.masked import window_rows
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool, dequantize_kv
@@ -118,8 +118,12 @@ def test_windowed_attention_matches_float64(backend, case, dtype, kv, window, so
     tol = TOL[dtype] * (2 if kv == "int8" else 1)
     b.check(out, window, softcap, tol)
     if isinstance(attn, CpuNativeAttention) and softcap is None and window is not None:
-        # The window went through the decode kernel's rows, not the torch fallback.
-        assert attn._windows_of is b.fb and attn._windows[window] is not None
+        # The window went through a native kernel, not the torch fallback: the prefill kernel's
+        # (bf16 long extends), else the decode kernel's rows.
+        if isinstance(b.fb.attn_metadata, _NativeExtend):
+            assert attn._windows_of is not b.fb
+        else:
+            assert attn._windows_of is b.fb and attn._windows[window] is not None
 
 
 def test_rows_of_the_window_only():

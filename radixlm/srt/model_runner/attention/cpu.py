@@ -23,10 +23,11 @@ rows it dequantizes while packing); elsewhere they take torch_native's SDPA path
 is one C call (row copies) instead of two index_copy_.
 
 SLIDING-WINDOW layers (Gemma 2/3: a query at position p sees keys p - W < j <= p) run on the
-decode kernel in every mode: each new token is one CSR row over its window (built once per
-forward, masked.window_rows), long extends included, which the prefill kernel would otherwise
-take (it has no lower key bound): W keys per token, where a full layer reads them all.
-Soft-capped scores (Gemma 2) are not in the kernels: those layers attend in torch (masked.py).
+same kernels: long extends on the prefill kernel with its window (keys before it neither packed
+nor read), the rest on the decode kernel with each new token one CSR row over its window (built
+once per forward, masked.window_rows; also float32 long extends, which full layers give torch's
+SDPA). Soft-capped scores (Gemma 2) are not in the kernels: those layers attend in torch
+(masked.py).
 
 An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
 kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix (and long
@@ -174,21 +175,24 @@ class CpuNativeAttention(TorchNativeAttention):
         needs), only their queries are attended: the kernel takes them as the requests' new
         tokens, each seeing its own causal keys."""
         meta = fb.attn_metadata
-        if window is not None or softcap is not None:
-            return self.forward(q, k, v, layer_id, fb, scale, window, softcap).index_select(0, rows)
-        q_indptr = self.rows_indptr(fb, rows)
+        q_indptr = self.rows_indptr(fb, rows) if softcap is None else None
         if q_indptr is None:
+            if window is not None or softcap is not None:
+                return self.forward(q, k, v, layer_id, fb, scale, window, softcap).index_select(0, rows)
             return super().forward_rows(q, k, v, layer_id, fb, scale, rows)
         self._store(layer_id, k, v, fb.out_cache_loc)
         own = _NativeExtend(q_indptr, meta.kv_indptr, meta.kv_indices)
-        return self._extend_native(q.index_select(0, rows), layer_id, own, scale)
+        return self._extend_native(q.index_select(0, rows), layer_id, own, scale, window)
 
     def _forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                         fb: ForwardBatch, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-        """A sliding-window layer on the decode kernel, each new token one CSR row over its window,
-        in every forward mode; soft-capped scores, which the kernels do not compute, in torch
-        (masked.py), as are shapes the kernel does not take."""
+        """A sliding-window layer on the prefill kernel with its window (long extends) or on the
+        decode kernel, each new token one CSR row over its window; soft-capped scores, which the
+        kernels do not compute, in torch (masked.py), as are shapes the kernels do not take."""
         self._store(layer_id, k, v, fb.out_cache_loc)
+        meta = fb.attn_metadata
+        if softcap is None and isinstance(meta, _NativeExtend):  # long extends: the prefill kernel's window
+            return self._extend_native(q, layer_id, meta, scale, window)
         rows = None
         if softcap is None and window is not None and self.native_decode and fb.req_to_token.device.type == "cpu":
             rows = self._window_rows(fb, window)
@@ -216,13 +220,15 @@ class CpuNativeAttention(TorchNativeAttention):
         if not stored:
             pool.set_kv(layer_id, loc, k, v)
 
-    def _extend_native(self, q: torch.Tensor, layer_id: int, meta: _NativeExtend, scale: float) -> torch.Tensor:
-        """The prefill kernel over each request's keys (an int8 pool's with its scales)."""
+    def _extend_native(self, q: torch.Tensor, layer_id: int, meta: _NativeExtend, scale: float,
+                       window: int | None = None) -> torch.Tensor:
+        """The prefill kernel over each request's keys (an int8 pool's with its scales), within
+        `window` for a sliding layer."""
         pool = self.kv_pool
         k_buf, v_buf = pool.get_kv(layer_id)
         scales = {"k_scale": pool.k_scale[layer_id], "v_scale": pool.v_scale[layer_id]} if self.quantized else {}
         out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale,
-                                       **scales)
+                                       window=window, **scales)
         if out is None:
             raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
         return out
