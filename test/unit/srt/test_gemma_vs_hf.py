@@ -199,13 +199,14 @@ def test_decode_after_refill_matches(pair):
 
 @pytest.mark.parametrize("variant", ["bfloat16", "w8a8_int8", "int8_kv"])
 def test_lower_precision_close_to_float32(gemma3_dir, variant):
-    """bf16 weights (the cpu backend's native prefill and windowed decode rows), int8 linears
-    and an int8 KV pool stay near the float32 logits, past the window."""
+    """bf16 weights (the cpu backend's windowed native prefill kernel for the 100-token prompt,
+    windowed decode rows for the others), int8 linears and an int8 KV pool stay near the float32
+    logits, past the window."""
     from radixlm.srt.model_runner.attention.base import create_attention_backend
     from radixlm.srt.model_runner.kv_pool import MHATokenToKVPool
 
     cfg = load_model_config(gemma3_dir)
-    prompts = _prompts(cfg.vocab_size, seed=6)
+    prompts = _prompts(cfg.vocab_size, seed=6) + [_prompts(cfg.vocab_size, seed=8)[2] * 2 + [7] * 20]
     ref = ModelHarness(load_model(gemma3_dir, cfg, torch.float32, "cpu"), backend="cpu")
     want = torch.cat(ref.extend([ref.new_request() for _ in prompts], prompts))
     dtype = torch.bfloat16 if variant == "bfloat16" else torch.float32
