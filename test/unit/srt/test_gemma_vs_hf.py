@@ -248,3 +248,44 @@ def test_image_text_checkpoint_serves_its_text_model(tmp_path):
         with torch.inference_mode():
             want = hf(input_ids=torch.tensor([ids])).logits[0].float()
         torch.testing.assert_close(logits, want, atol=ATOL, rtol=0)
+
+
+def _config_dir(tmp_path, cfg: dict, generation: dict | None = None) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return str(tmp_path)
+
+
+def test_older_config_files(tmp_path):
+    """Configs as transformers 4.x wrote them for the published checkpoints: no layer_types (a
+    sliding_window_pattern, or Gemma 2's alternation), rope_theta / rope_local_base_freq /
+    rope_scaling at the top, the stop ids of generation_config.json."""
+    gemma3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+                  intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+                  rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                  max_position_embeddings=32768, final_logit_softcapping=None, attn_logit_softcapping=None,
+                  hidden_activation="gelu_pytorch_tanh", eos_token_id=1)
+    (tmp_path / "g3").mkdir()
+    cfg = load_model_config(_config_dir(tmp_path / "g3", gemma3, {"eos_token_id": [1, 106]}))
+    assert [cfg.layer_window(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
+    assert (cfg.rope_theta, cfg.rope_local_base_freq, cfg.rope_scaling) == (1000000.0, 10000.0, None)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+
+    gemma2 = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", vocab_size=256000, hidden_size=3584,
+                  intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, rope_theta=10000.0,
+                  final_logit_softcapping=30.0, attn_logit_softcapping=50.0, hidden_act="gelu_pytorch_tanh",
+                  hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192)
+    (tmp_path / "g2").mkdir()
+    cfg = load_model_config(_config_dir(tmp_path / "g2", gemma2))
+    assert [cfg.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    assert cfg.rope_local_base_freq is None and cfg.rope_scaling is None
+
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ValueError, match="hidden_activation 'relu' is not supported"):
+        load_model_config(_config_dir(tmp_path / "bad", dict(gemma3, hidden_activation="relu")))
