@@ -44,6 +44,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # ---- Gemma 2/3 (the defaults are Llama's behaviour) ----
+    hidden_activation: str = "silu"  # the gated MLP's: silu or gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: 1/sqrt(head_dim)
+    # Per layer "full_attention" or "sliding_attention" (empty: all full). A sliding layer's query
+    # at position p sees the keys at positions p - sliding_window < j <= p.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_base_freq: float | None = None  # the sliding layers' rope base (unscaled)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id`, None for a full-attention layer."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer_id] == "sliding_attention" else None
 
     @property
     def context_len(self) -> int:

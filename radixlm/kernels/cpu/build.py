@@ -84,6 +84,8 @@ _SIGNATURES = {
     "radixlm_extend_attention_available": [],
     "radixlm_extend_attention_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _INT,
                                       _INT, _INT, ctypes.c_float, _I64, _INT],
+    "radixlm_extend_attention_window_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _INT,
+                                             _INT, _INT, _INT, ctypes.c_float, _I64, _I64, _INT],
     "radixlm_decode_attention_int8": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR,
                                       _INT, _INT, _INT, _INT, ctypes.c_float, _INT],
     "radixlm_decode_layers": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR],

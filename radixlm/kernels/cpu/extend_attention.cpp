@@ -155,15 +155,17 @@ inline void dequant_row(const int8_t* row, float scale, uint16_t* out) {
 }
 
 // Pack keys [k0, k0 + kKeys) of one request (slots idx, len keys in all) and KV head h; an
-// int8 pool's rows are dequantized to bf16 first.
+// int8 pool's rows are dequantized to bf16 first. Keys before kfirst (outside every new token's
+// sliding window) are packed as zeros, like those past the end: masked, never a stale value.
 template <int D>
-void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp) {
+void pack_block(const Pool& pool, int h, const int64_t* idx, int64_t len, int64_t k0, uint32_t* kp, uint32_t* vp,
+                int64_t kfirst = 0) {
   const int64_t row_stride = (int64_t)pool.Hkv * D;
   const uint16_t* kr[kKeys];
   const uint16_t* vr[kKeys];
   alignas(64) uint16_t kd[kKeys][D], vd[kKeys][D];
   for (int j = 0; j < kKeys; ++j) {
-    if (k0 + j >= len) {
+    if (k0 + j >= len || k0 + j < kfirst) {
       kr[j] = vr[j] = nullptr;
       continue;
     }
@@ -209,7 +211,8 @@ template <int R>
 struct RowsOf {  // one tile of query rows
   const uint16_t* q[R];
   uint16_t* out[R];
-  int64_t kend[R];  // keys [0, kend) are visible to the row
+  int64_t kend[R];  // keys [kbeg, kend) are visible to the row
+  int64_t kbeg[R];  // 0 but for a sliding window, and then < 32: the first block has a visible key
   int n;            // real rows (the rest repeat the last one and are not stored)
 };
 using Rows = RowsOf<kRows>;
@@ -224,17 +227,19 @@ using Rows = RowsOf<kRows>;
 // than 8 (in units of log2): P then stays below 2^8 (exact enough in float32 and bf16 alike), and
 // most blocks need no correction of the output and l at all.
 template <int R, int NT, int S = NT>  // S: s's row length in tiles
-__attribute__((always_inline)) inline __mmask16 move_maxima(__m512 (*s)[S], const int64_t* kend, int64_t k0,
-                                                            bool masked, float c, float* m, float* corr) {
+__attribute__((always_inline)) inline __mmask16 move_maxima(__m512 (*s)[S], const int64_t* kend, const int64_t* kbeg,
+                                                            int64_t k0, bool masked, float c, float* m, float* corr) {
   constexpr int kKeys = 16 * NT;  // this block's
   alignas(64) float bm[16] = {};
   __mmask16 up = 0;
   for (int r = 0; r < R; ++r) {
     if (masked) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kKeys, kend[r] - k0));
+      const int64_t lo = std::max<int64_t>(0, std::min<int64_t>(kKeys, kbeg[r] - k0));  // window: keys before
       for (int t = 0; t < NT; ++t) {
-        const int64_t nt = n - 16 * t;
-        const __mmask16 mk = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+        const int64_t nt = n - 16 * t, lt = lo - 16 * t;
+        __mmask16 mk = (__mmask16)(nt >= 16 ? 0xFFFFu : nt > 0 ? (1u << nt) - 1u : 0u);
+        if (lt > 0) mk &= (__mmask16)(lt >= 16 ? 0u : ~((1u << lt) - 1u));
         s[r][t] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoMax), mk, s[r][t]);
       }
     }
@@ -261,9 +266,10 @@ __attribute__((always_inline)) inline __mmask16 move_maxima(__m512 (*s)[S], cons
 // weights rounded to bf16, keys in order (NT * 32 bytes). Returns the rows whose maximum moved.
 template <int R, int NT = kTiles>
 __attribute__((always_inline)) inline __mmask16 softmax_block(__m512 (&s)[R][NT], const int64_t* kend,
-                                                              int64_t k0, bool masked, float c, float* m, float* corr,
-                                                              __m512* l, uint32_t (*pb)[NT * 8]) {
-  const __mmask16 up = move_maxima<R, NT>(s, kend, k0, masked, c, m, corr);
+                                                              const int64_t* kbeg, int64_t k0, bool masked, float c,
+                                                              float* m, float* corr, __m512* l,
+                                                              uint32_t (*pb)[NT * 8]) {
+  const __mmask16 up = move_maxima<R, NT>(s, kend, kbeg, k0, masked, c, m, corr);
   const __m512 vc = _mm512_set1_ps(c);
   for (int r = 0; r < R; ++r) {
     const __m512 mc = _mm512_set1_ps(m[r] * c);
@@ -293,10 +299,11 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
     l[r] = _mm512_setzero_ps();
   }
   for (int r = kRows; r < 16; ++r) m[r] = 0.f;
-  int64_t kmin = rows.kend[0], kmax = rows.kend[0];
+  int64_t kmin = rows.kend[0], kmax = rows.kend[0], kbmax = rows.kbeg[0];
   for (int r = 1; r < kRows; ++r) {
     kmin = std::min(kmin, rows.kend[r]);
     kmax = std::max(kmax, rows.kend[r]);
+    kbmax = std::max(kbmax, rows.kbeg[r]);
   }
   const float c = scale * 1.44269504088896341f;  // log2(e)
   constexpr int RG = pv_rows<D>();
@@ -370,7 +377,8 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
         pv_block<D, RG, NTE * 8, kWide / 2>(vt, pbw + r, corr_e + r, (up_e >> r & ((1u << RG) - 1)) != 0, acc + r);
     }
     if constexpr (NT > 0) {
-      up_e = move_maxima<kRows, NT, kWideTiles>(sw[i & 1], rows.kend, kb, kb + 16 * NT > kmin, c, m, corr_e);
+      up_e = move_maxima<kRows, NT, kWideTiles>(sw[i & 1], rows.kend, rows.kbeg, kb, kb + 16 * NT > kmin || kb < kbmax,
+                                                c, m, corr_e);
     }
   };
   using Wide = std::integral_constant<int, kWideTiles>;
@@ -449,10 +457,11 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
     m[r] = kNoMax;
     l[r] = _mm512_setzero_ps();
   }
-  int64_t kmin = rows.kend[0], kmax = rows.kend[0];
+  int64_t kmin = rows.kend[0], kmax = rows.kend[0], kbmax = rows.kbeg[0];
   for (int r = 1; r < R; ++r) {
     kmin = std::min(kmin, rows.kend[r]);
     kmax = std::max(kmax, rows.kend[r]);
+    kbmax = std::max(kbmax, rows.kbeg[r]);
   }
   const float c = scale * 1.44269504088896341f;  // log2(e)
   _tile_zero(0);
@@ -482,7 +491,8 @@ void attend_rows_amx(const AmxRows& rows, const uint32_t* kp, const uint32_t* vp
     __m512 sv[R][kTiles];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < kTiles; ++t) sv[r][t] = _mm512_load_ps(sb[r] + 16 * t);
-    const __mmask16 up = softmax_block<R>(sv, rows.kend, k0, k0 + kKeys > kmin, c, m, corr, l, pb);
+    const __mmask16 up = softmax_block<R>(sv, rows.kend, rows.kbeg, k0, k0 + kKeys > kmin || k0 < kbmax, c, m, corr,
+                                          l, pb);
     if (up && k0 > 0) {  // O holds earlier blocks: each moved row times its correction
       o_tiles<D>(ob, true);
       for (int r = 0; r < R; ++r)
@@ -531,10 +541,19 @@ struct Task {
 template <int D>
 void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const int64_t* q_indptr,
                   const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int b0,
-                  int b1, int Hq, float scale, int nthreads) {
+                  int b1, int Hq, float scale, int64_t window, int nthreads) {
   const int Hkv = pool.Hkv, G = Hq / Hkv;
+  // A sliding window (window > 0): a row tile's keys are read from a 16-key tile boundary at or
+  // below its rows' first visible key, up to 16 keys past the request's padded end: packed zeros.
+  const int64_t extra = window > 0 ? 16 : 0;
   // Per request: K of each head, then V of each head, packed_words each.
-  auto words = [&](int b) { return packed_words<D>(kv_indptr[b + 1] - kv_indptr[b]); };
+  auto words = [&](int b) { return packed_words<D>(kv_indptr[b + 1] - kv_indptr[b] + extra); };
+  // The first key any new token of request b sees (0 without a window); keys before its block
+  // are never read, so never packed.
+  auto first_key = [&](int b) -> int64_t {
+    const int64_t len = kv_indptr[b + 1] - kv_indptr[b], ext = q_indptr[b + 1] - q_indptr[b];
+    return window > 0 ? std::max<int64_t>(0, len - ext + 1 - window) : 0;
+  };
   std::vector<int64_t> base(b1 - b0 + 1, 0);
   for (int b = b0; b < b1; ++b) base[b - b0 + 1] = base[b - b0] + 2 * Hkv * words(b);
   uint32_t* ws = workspace(base.back());
@@ -546,10 +565,10 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
     const int64_t len = kv_indptr[b + 1] - kv_indptr[b], ext = q_indptr[b + 1] - q_indptr[b];
     if (ext == 0) continue;
     for (int h = 0; h < Hkv; ++h) {
-      for (int64_t k0 = 0; k0 < len; k0 += kKeys) pack.push_back({b, h, k0, 0, 0});
+      for (int64_t k0 = first_key(b) / kKeys * kKeys; k0 < len + extra; k0 += kKeys) pack.push_back({b, h, k0, 0, 0});
       for (int64_t t0 = 0; t0 < ext; t0 += kQTile) {
-        const int64_t t1 = std::min(ext, t0 + kQTile);
-        work.push_back({b, h, t0, t1, (t1 - t0) * (len - ext + (t0 + t1) / 2)});
+        const int64_t t1 = std::min(ext, t0 + kQTile), keys = len - ext + (t0 + t1) / 2;
+        work.push_back({b, h, t0, t1, (t1 - t0) * (window > 0 ? std::min(window, keys) : keys)});
       }
     }
   }
@@ -563,21 +582,29 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
       const Task& t = pack[i];
       const int64_t off = kv_indptr[t.b], len = kv_indptr[t.b + 1] - off;
       pack_block<D>(pool, t.h, kv_indices + off, len, t.t0, kpack(t.b, t.h) + t.t0 * D / 2,
-                    vpack(t.b, t.h) + t.t0 * D / 2);
+                    vpack(t.b, t.h) + t.t0 * D / 2, first_key(t.b));
     }
     // Rows (token, group head) of task t, token-major, from r0 on: R of them, the tail
-    // repeating the last real one.
-    auto fill = [&](const Task& t, int64_t r0, int64_t nrows, auto& rows) {
+    // repeating the last real one. Returns the key the rows' packed K/V are read from (0 without
+    // a window; with one, the 16-key tile holding the rows' first visible key: the rows span at
+    // most 16 tokens, so each row's first visible key lies in the first 32 keys read, the
+    // invariant the online softmax's first block needs), kend and kbeg relative to it.
+    auto fill = [&](const Task& t, int64_t r0, int64_t nrows, auto& rows) -> int64_t {
       constexpr int R = (int)(sizeof(rows.kend) / sizeof(rows.kend[0]));
+      static_assert(R <= 16, "a row tile spans at most 16 tokens");
       const int64_t len = kv_indptr[t.b + 1] - kv_indptr[t.b], ext = q_indptr[t.b + 1] - q_indptr[t.b];
       rows.n = (int)std::min<int64_t>(R, nrows - r0);
+      const int64_t tok0 = t.t0 + r0 / G;  // the tile's first (and earliest) token
+      const int64_t kbase = window > 0 ? std::max<int64_t>(0, len - ext + tok0 + 1 - window) / 16 * 16 : 0;
       for (int r = 0; r < R; ++r) {
         const int64_t row = r0 + std::min(r, rows.n - 1);
         const int64_t tok = t.t0 + row / G, head = (int64_t)t.h * G + row % G;
         rows.q[r] = q + (q_indptr[t.b] + tok) * q_stride + head * D;
         rows.out[r] = out + (q_indptr[t.b] + tok) * out_stride + head * D;
-        rows.kend[r] = len - ext + tok + 1;
+        rows.kend[r] = len - ext + tok + 1 - kbase;
+        rows.kbeg[r] = window > 0 ? std::max<int64_t>(0, len - ext + tok + 1 - window) - kbase : 0;
       }
+      return kbase;
     };
 #ifdef RADIXLM_BF16_AMX
     const bool tiles = amx_attends<D>() && radixlm::amx::enabled();
@@ -595,8 +622,8 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
         if (tiles) {
           for (int64_t r0 = 0; r0 < nrows; r0 += kAmxRows) {
             AmxRows rows;
-            fill(t, r0, nrows, rows);
-            attend_rows_amx<D>(rows, kpack(t.b, t.h), vpack(t.b, t.h), scale);
+            const int64_t kbase = fill(t, r0, nrows, rows);
+            attend_rows_amx<D>(rows, kpack(t.b, t.h) + kbase * D / 2, vpack(t.b, t.h) + kbase * D / 2, scale);
           }
           continue;
         }
@@ -604,8 +631,8 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
 #endif
       for (int64_t r0 = 0; r0 < nrows; r0 += kRows) {
         Rows rows;
-        fill(t, r0, nrows, rows);
-        attend_rows<D>(rows, kpack(t.b, t.h), vpack(t.b, t.h), scale);
+        const int64_t kbase = fill(t, r0, nrows, rows);
+        attend_rows<D>(rows, kpack(t.b, t.h) + kbase * D / 2, vpack(t.b, t.h) + kbase * D / 2, scale);
       }
     }
 #ifdef RADIXLM_BF16_AMX
@@ -617,9 +644,10 @@ void extend_group(const uint16_t* q, int64_t q_stride, const Pool& pool, const i
 template <int D>
 void extend_attention(const uint16_t* q, int64_t q_stride, const Pool& pool, const int64_t* q_indptr,
                       const int64_t* kv_indptr, const int64_t* kv_indices, uint16_t* out, int64_t out_stride, int B,
-                      int Hq, float scale, int64_t pack_budget, int nthreads) {
-  // Packed K and V of request b, in bytes.
-  auto bytes_of = [&](int b) { return 2 * pool.Hkv * packed_words<D>(kv_indptr[b + 1] - kv_indptr[b]) * 4; };
+                      int Hq, float scale, int64_t pack_budget, int64_t window, int nthreads) {
+  // Packed K and V of request b, in bytes (as extend_group lays them out).
+  const int64_t extra = window > 0 ? 16 : 0;
+  auto bytes_of = [&](int b) { return 2 * pool.Hkv * packed_words<D>(kv_indptr[b + 1] - kv_indptr[b] + extra) * 4; };
   for (int b0 = 0; b0 < B;) {
     int b1 = b0 + 1;
     int64_t bytes = bytes_of(b0);
@@ -629,7 +657,7 @@ void extend_attention(const uint16_t* q, int64_t q_stride, const Pool& pool, con
       bytes += more;
       ++b1;
     }
-    extend_group<D>(q, q_stride, pool, q_indptr, kv_indptr, kv_indices, out, out_stride, b0, b1, Hq, scale,
+    extend_group<D>(q, q_stride, pool, q_indptr, kv_indptr, kv_indices, out, out_stride, b0, b1, Hq, scale, window,
                     nthreads);
     b0 = b1;
   }
@@ -654,21 +682,23 @@ int radixlm_extend_attention_available() {
 // strides, kbuf/vbuf [slots][Hkv][D]: bf16, or int8 when k_scale/v_scale ([slots][Hkv] float32,
 // the int8 KV cache's scales) are given. Requests are packed and attended in groups whose packed
 // K + V fit pack_budget bytes (at least one request per group), so the workspace stays bounded
-// whatever the contexts' lengths. Nonzero return = unsupported (nothing written).
-int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
-                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr,
-                                  const int64_t* kv_indptr, const int64_t* kv_indices, void* out,
-                                  int64_t out_stride, int B, int Hq, int Hkv, int D, float scale, int64_t pack_budget,
-                                  int nthreads) {
+// whatever the contexts' lengths. window > 0: a sliding-window layer, the new token at key
+// position p sees keys p - window < j <= p only (those before are neither packed nor read).
+// Nonzero return = unsupported (nothing written).
+int radixlm_extend_attention_window_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
+                                         const float* k_scale, const float* v_scale, const int64_t* q_indptr,
+                                         const int64_t* kv_indptr, const int64_t* kv_indices, void* out,
+                                         int64_t out_stride, int B, int Hq, int Hkv, int D, float scale,
+                                         int64_t pack_budget, int64_t window, int nthreads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if (Hkv <= 0 || Hq % Hkv || !k_scale != !v_scale) return -1;
+  if (Hkv <= 0 || Hq % Hkv || !k_scale != !v_scale || window < 0) return -1;
   const Pool pool{kbuf, vbuf, k_scale, v_scale, Hkv};
   for (int b = 0; b < B; ++b)
     if (q_indptr[b + 1] - q_indptr[b] > kv_indptr[b + 1] - kv_indptr[b]) return -1;
 #define RADIXLM_EXTEND(DIM)                                                                                  \
   case DIM:                                                                                                  \
     extend_attention<DIM>((const uint16_t*)q, q_stride, pool, q_indptr, kv_indptr, kv_indices, (uint16_t*)out, \
-                          out_stride, B, Hq, scale, pack_budget, nthreads);                                    \
+                          out_stride, B, Hq, scale, pack_budget, window, nthreads);                            \
     return 0;
   switch (D) {
     RADIXLM_EXTEND(32)
@@ -683,9 +713,20 @@ int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* k
 #else
   (void)q, (void)q_stride, (void)kbuf, (void)vbuf, (void)k_scale, (void)v_scale, (void)q_indptr;
   (void)kv_indptr, (void)kv_indices, (void)out, (void)out_stride, (void)B, (void)Hq, (void)Hkv, (void)D;
-  (void)scale, (void)pack_budget, (void)nthreads;
+  (void)scale, (void)pack_budget, (void)window, (void)nthreads;
   return -1;
 #endif
+}
+
+// The same without a window (every key up to each token's own).
+int radixlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* kbuf, const void* vbuf,
+                                  const float* k_scale, const float* v_scale, const int64_t* q_indptr,
+                                  const int64_t* kv_indptr, const int64_t* kv_indices, void* out,
+                                  int64_t out_stride, int B, int Hq, int Hkv, int D, float scale, int64_t pack_budget,
+                                  int nthreads) {
+  return radixlm_extend_attention_window_bf16(q, q_stride, kbuf, vbuf, k_scale, v_scale, q_indptr, kv_indptr,
+                                              kv_indices, out, out_stride, B, Hq, Hkv, D, scale, pack_budget, 0,
+                                              nthreads);
 }
 
 }  // extern "C"

@@ -87,7 +87,7 @@ def extend_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int)
 def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, q_indptr: torch.Tensor,
                      kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
                      pack_budget_bytes: int = EXTEND_PACK_BUDGET, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+                     v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor | None:
     """Causal attention of each request's new tokens over its cached prefix and themselves.
 
     Request b: query rows q[q_indptr[b]:q_indptr[b+1]] (its new tokens in order), keys
@@ -96,8 +96,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     [T, Hq, D] with each token's heads contiguous; k_buf/v_buf bfloat16 [slots, Hkv, D]
     contiguous, or int8 with k_scale/v_scale float32 [slots, Hkv] contiguous (the int8 KV
     cache: dequantized to bf16 as kv_pool.dequantize_kv does); indptrs and indices int64.
-    Requests are done in groups whose packed K/V fit pack_budget_bytes. Returns out [T, Hq, D],
-    None when unsupported.
+    Requests are done in groups whose packed K/V fit pack_budget_bytes. With `window` (a
+    sliding-window layer) the new token at key position p sees only keys p - window < j <= p.
+    Returns out [T, Hq, D], None when unsupported.
     """
     lib = load()
     t, hq, d = q.shape
@@ -120,13 +121,15 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     b = q_indptr.numel() - 1
     if kv_indptr.numel() != b + 1 or int(q_indptr[-1]) != t:
         return None
+    if window is not None and window < 1:
+        return None
     out = torch.empty((t, hq, d), dtype=q.dtype)
-    rc = lib.radixlm_extend_attention_bf16(_ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf),
-                                           _ptr(k_scale) if k_scale is not None else None,
-                                           _ptr(v_scale) if v_scale is not None else None, _ptr(q_indptr),
-                                           _ptr(kv_indptr), _ptr(kv_indices), _ptr(out), out.stride(0), b, hq,
-                                           k_buf.shape[1], d, scale, pack_budget_bytes,
-                                           torch.get_num_threads())
+    rc = lib.radixlm_extend_attention_window_bf16(_ptr(q), q.stride(0), _ptr(k_buf), _ptr(v_buf),
+                                                  _ptr(k_scale) if k_scale is not None else None,
+                                                  _ptr(v_scale) if v_scale is not None else None, _ptr(q_indptr),
+                                                  _ptr(kv_indptr), _ptr(kv_indices), _ptr(out), out.stride(0), b, hq,
+                                                  k_buf.shape[1], d, scale, pack_budget_bytes, window or 0,
+                                                  torch.get_num_threads())
     return out if rc == 0 else None
 
 

@@ -1,4 +1,5 @@
-"""Gated SiLU MLP (Llama's gate/up/down) with gate and up fused into one matmul."""
+"""Gated MLPs (gate/up/down) with gate and up fused into one matmul: SiLU (Llama) or GELU-tanh
+(Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -22,15 +23,30 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2*I] (gate then up) -> gelu_tanh(gate) * up, [..., I] (Hugging Face's
+    gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None = None,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"MLP activation {activation!r} is not supported (silu, gelu_pytorch_tanh)")
         self.intermediate_size = intermediate_size
-        # Rows [0, I) hold gate_proj, rows [I, 2I) up_proj: one GEMM instead of two.
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, silu_gated=True)
+        self.activation = activation
+        # Rows [0, I) hold gate_proj, rows [I, 2I) up_proj: one GEMM instead of two. Only SiLU
+        # has the GEMMs' fused epilogue (silu_gated reorders the packed columns for it).
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype,
+                                   silu_gated=activation == "silu")
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation != "silu":
+            return self.down_proj.forward(gelu_tanh_and_mul(self.gate_up_proj.forward(x)))
         return self.down_proj.forward(self._silu_mul_gate_up(x))
 
     def _silu_mul_gate_up(self, x: torch.Tensor) -> torch.Tensor:

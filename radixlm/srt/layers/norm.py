@@ -39,3 +39,22 @@ class RMSNorm(nn.Module):
         # (two dtype casts, a mul, their allocations) per norm, 60 norms per forward.
         out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w), applied in float32
+    before the result is rounded to the model dtype (Hugging Face's Gemma numerics)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        scale = 1.0 + self.weight.float()
+        if x.dtype == torch.float32:
+            out = cpu_ops.add_rmsnorm(x, None, scale, self.eps) if x.dim() == 2 and cpu_ops.supports(x) else None
+            if out is None:
+                out = F.rms_norm(x, (self.hidden_size,), scale, self.eps)
+        else:
+            out = F.rms_norm(x.float(), (self.hidden_size,), scale, self.eps).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -18,7 +18,7 @@ from radixlm.srt.constrained.bitmask import advance_matchers, build_vocab_mask
 from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.distributed.layout import TPLayout
 from radixlm.srt.distributed.process_group import TPGroup, threads_per_rank
-from radixlm.srt.model_runner.attention.base import create_attention_backend
+from radixlm.srt.model_runner.attention.base import check_model_attention, create_attention_backend
 from radixlm.srt.model_runner.config import RunnerConfig
 from radixlm.srt.model_runner.device_tensor import device_tensor
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
@@ -149,6 +149,7 @@ class ModelRunner:
         self.attention_backend_name = backend
         self.attn = create_attention_backend(backend, self.kv_pool, local.num_attention_heads,
                                              local.num_key_value_heads, cfg.head_dim)
+        check_model_attention(self.attn, backend, cfg)  # sliding windows, soft-capped scores
         self.sampler = Sampler(cfg.vocab_size, self.device, args.random_seed)
         self.stream = ForwardStream(self.device)
         self._weight_sync = None  # WeightSyncGroups, created by the first init_weights_update_group

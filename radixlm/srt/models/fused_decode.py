@@ -142,6 +142,11 @@ class FusedDecode:
 
     def _build(self, attn: CpuNativeAttention) -> native.DecodeLayers | None:
         model, dtype = self.model, self.model.dtype
+        cfg = model.config
+        # Llama's graph only: no sliding windows, soft caps, GELU MLPs or other attention scales.
+        if (cfg.layer_types or cfg.attn_logit_softcapping is not None or cfg.final_logit_softcapping is not None
+                or cfg.hidden_activation != "silu" or cfg.query_pre_attn_scalar is not None):
+            return None
         if model.tp.size != 1 or dtype not in _DTYPES or not cpu_ops.available() or not attn.native_decode:
             return None
         layers = list(model.model.layers)

@@ -7,12 +7,16 @@ from torch import nn
 from radixlm.config import ModelConfig
 from radixlm.registry import Registry
 from radixlm.srt.distributed.context import TPContext
+from radixlm.srt.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
 MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
 MODEL_ARCHS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
 MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
+MODEL_ARCHS.register("Gemma3ForCausalLM")(Gemma3ForCausalLM)
+MODEL_ARCHS.register("Gemma3ForConditionalGeneration")(Gemma3ForConditionalGeneration)
+MODEL_ARCHS.register("Gemma2ForCausalLM")(Gemma2ForCausalLM)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

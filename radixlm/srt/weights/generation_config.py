@@ -37,15 +37,29 @@ def read_generation_config(model_path: str) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def eos_token_ids(gen_config: dict[str, Any]) -> list[int]:
-    """`eos_token_id` as a list (an int or a list in the file; chat models often list their
-    end-of-turn token only here)."""
-    value = gen_config.get("eos_token_id")
+def as_token_ids(value: Any) -> list[int]:
+    """An `eos_token_id` entry (None, an int or a list) as a list."""
     if value is None:
         return []
     if isinstance(value, int):
         return [value]
     return [int(v) for v in value]
+
+
+def eos_token_ids(gen_config: dict[str, Any]) -> list[int]:
+    """`eos_token_id` as a list (an int or a list in the file; chat models often list their
+    end-of-turn token only here)."""
+    return as_token_ids(gen_config.get("eos_token_id"))
+
+
+def model_eos_ids(config_eos: Any, model_dir: str) -> tuple[int, ...]:
+    """config.json's EOS ids, then those only the generation config lists (e.g. <|eot_id|>,
+    Gemma 3's <end_of_turn>), in order, each once."""
+    eos = as_token_ids(config_eos)
+    for e in eos_token_ids(read_generation_config(model_dir)):
+        if e not in eos:
+            eos.append(e)
+    return tuple(eos)
 
 
 def sampling_defaults(gen_config: dict[str, Any]) -> dict[str, Any]:

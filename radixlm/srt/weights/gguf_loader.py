@@ -19,6 +19,7 @@ import torch
 
 import radixlm.envs as envs
 from radixlm.config import ModelConfig
+from radixlm.srt.weights.gemma_config import GEMMA_GGUF_ARCHS, gemma_gguf_config
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -33,6 +34,7 @@ _STRING, _ARRAY = 8, 9
 
 # Architectures we can run, GGUF name -> Hugging Face class name.
 GGUF_ARCHS: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHS.update(GEMMA_GGUF_ARCHS)  # Gemma 2/3: their fields from gemma_config.gemma_gguf_config
 
 
 @dataclass
@@ -161,7 +163,7 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
         if v is not None and int(v) not in eos:
             eos.append(int(v))
     bos, pad = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.padding_token_id")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=GGUF_ARCHS[arch], vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")), num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
@@ -173,6 +175,9 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
         attention_bias=any(n.endswith("attn_q.bias") for n in meta.tensors),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
         pad_token_id=None if pad is None else int(pad))
+    if arch in GEMMA_GGUF_ARCHS:  # Gemma 2/3
+        config = gemma_gguf_config(config, arch, lambda key: meta.get(f"{arch}.{key}"))
+    return config
 
 
 # ---- tensor names ----
@@ -182,16 +187,20 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 2/3: "ffn_norm" is the pre-feed-forward norm, and three more norms.
+_GEMMA_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
+                          post_attention_norm="post_attention_layernorm", post_ffw_norm="post_feedforward_layernorm",
+                          attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str:
     m = _BLOCK_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _BLOCK_NAMES:
+        if part not in block_names:
             raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{block_names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base not in _GLOBAL_NAMES or kind not in ("weight", "bias"):
         raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
@@ -219,8 +228,9 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
     reader = GGUFReader(path)
     arch = reader.get_field("general.architecture").contents()
     permuted = arch == "llama"  # convert_hf_to_gguf permutes q/k only for the llama family
+    gemma = arch in GEMMA_GGUF_ARCHS
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, _GEMMA_BLOCK_NAMES) if gemma else hf_name(t.name)
         arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
@@ -233,6 +243,8 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
             tensor = unpermute_rope_rows(tensor, config.num_attention_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = unpermute_rope_rows(tensor, config.num_key_value_heads)
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor - 1  # llama.cpp stores Gemma's norm scale 1 + w; the model adds the 1
         yield name, tensor
 
 

@@ -4,27 +4,20 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from radixlm.config import ModelConfig
 from radixlm.srt.distributed.layout import Shard
-from radixlm.srt.weights.generation_config import eos_token_ids, read_generation_config
+from radixlm.srt.weights.gemma_config import GEMMA_ARCHS, GEMMA_MODEL_TYPES, gemma_model_config
+from radixlm.srt.weights.generation_config import model_eos_ids
 
 # Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
 ShardOf = Callable[[str], Shard | None]
 
 # Architectures with the Llama layout; Qwen2 differs only by q/k/v biases.
-HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-
-def _eos_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM") + GEMMA_ARCHS
 
 
 def _read_json(path: str) -> dict:
@@ -40,6 +33,8 @@ def hf_model_config(model_dir: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                    "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+    if (arch or GEMMA_MODEL_TYPES.get(cfg.get("model_type", ""))) in GEMMA_ARCHS:  # Gemma 2/3: own fields
+        return gemma_model_config(model_dir, cfg, arch or GEMMA_MODEL_TYPES[cfg["model_type"]])
     if arch not in HF_ARCHS:
         raise ValueError(f"{model_dir}: architecture {arch or cfg.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(HF_ARCHS)})")
@@ -55,11 +50,7 @@ def hf_model_config(model_dir: str) -> ModelConfig:
     if rope_scaling is None and rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
         rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
 
-    eos = list(_eos_tuple(cfg.get("eos_token_id")))
-    # Chat models often list extra stop ids (e.g. <|eot_id|>) only in generation_config.
-    for e in eos_token_ids(read_generation_config(model_dir)):
-        if e not in eos:
-            eos.append(e)
+    eos = model_eos_ids(cfg.get("eos_token_id"), model_dir)
 
     return ModelConfig(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
@@ -70,7 +61,7 @@ def hf_model_config(model_dir: str) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=tuple(eos), pad_token_id=cfg.get("pad_token_id"))
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, pad_token_id=cfg.get("pad_token_id"))
 
 
 def weight_files(model_dir: str) -> list[str]:

@@ -22,6 +22,13 @@ unmasked; 3-4x torch's SDPA at a 2k prompt's chunk shapes), over a bf16 or an in
 rows it dequantizes while packing); elsewhere they take torch_native's SDPA path. The KV store
 is one C call (row copies) instead of two index_copy_.
 
+SLIDING-WINDOW layers (Gemma 2/3: a query at position p sees keys p - W < j <= p) run on the
+same kernels: long extends on the prefill kernel with its window (keys before it neither packed
+nor read), the rest on the decode kernel with each new token one CSR row over its window (built
+once per forward, masked.window_rows; also float32 long extends, which full layers give torch's
+SDPA). Soft-capped scores (Gemma 2) are not in the kernels: those layers attend in torch
+(masked.py).
+
 An int8 pool (--kv-cache-dtype int8) is stored and attended by the kernels of
 kv_int8_ops.cpp (quantize on store; int8 scores, float P @ V); its shared prefix (and long
 extends without the prefill kernel) are dequantized by the pool (gather_kv) for the torch paths.
@@ -35,6 +42,7 @@ import torch
 from radixlm.kernels.cpu import ops as cpu_ops
 from radixlm.kernels.indices import build_indptr, build_kv_indices
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS
+from radixlm.srt.model_runner.attention.masked import window_rows
 from radixlm.srt.model_runner.attention.torch_native import TorchNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 
@@ -73,6 +81,9 @@ class CpuNativeAttention(TorchNativeAttention):
                                   and kv_pool.dtype in (torch.float32, torch.bfloat16))
         self.native_extend = (getattr(kv_pool, "compute_dtype", kv_pool.dtype) == torch.bfloat16
                               and cpu_ops.extend_attention_supported(num_heads, num_kv_heads, head_dim))
+        # The forward whose sliding-window rows _windows holds (window -> rows, or None).
+        self._windows_of: ForwardBatch | None = None
+        self._windows: dict[int, _NativeDecode | None] = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.req_to_token.device.type != "cpu" or not self.native_decode:
@@ -145,7 +156,10 @@ class CpuNativeAttention(TorchNativeAttention):
         return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch, scale: float) -> torch.Tensor:
+                fb: ForwardBatch, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            return self._forward_masked(q, k, v, layer_id, fb, scale, window, softcap)
         meta = fb.attn_metadata
         if not isinstance(meta, (_NativeDecode, _NativeExtend)):
             return super().forward(q, k, v, layer_id, fb, scale)
@@ -155,17 +169,46 @@ class CpuNativeAttention(TorchNativeAttention):
         return self._attend_rows(q, layer_id, meta, scale)
 
     def forward_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                     fb: ForwardBatch, scale: float, rows: torch.Tensor) -> torch.Tensor:
+                     fb: ForwardBatch, scale: float, rows: torch.Tensor, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
         """On the prefill kernel, when the rows are each request's last tokens (what sampling
         needs), only their queries are attended: the kernel takes them as the requests' new
         tokens, each seeing its own causal keys."""
         meta = fb.attn_metadata
-        q_indptr = self.rows_indptr(fb, rows)
+        q_indptr = self.rows_indptr(fb, rows) if softcap is None else None
         if q_indptr is None:
+            if window is not None or softcap is not None:
+                return self.forward(q, k, v, layer_id, fb, scale, window, softcap).index_select(0, rows)
             return super().forward_rows(q, k, v, layer_id, fb, scale, rows)
         self._store(layer_id, k, v, fb.out_cache_loc)
         own = _NativeExtend(q_indptr, meta.kv_indptr, meta.kv_indices)
-        return self._extend_native(q.index_select(0, rows), layer_id, own, scale)
+        return self._extend_native(q.index_select(0, rows), layer_id, own, scale, window)
+
+    def _forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                        fb: ForwardBatch, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+        """A sliding-window layer on the prefill kernel with its window (long extends) or on the
+        decode kernel, each new token one CSR row over its window; soft-capped scores, which the
+        kernels do not compute, in torch (masked.py), as are shapes the kernels do not take."""
+        self._store(layer_id, k, v, fb.out_cache_loc)
+        meta = fb.attn_metadata
+        if softcap is None and isinstance(meta, _NativeExtend):  # long extends: the prefill kernel's window
+            return self._extend_native(q, layer_id, meta, scale, window)
+        rows = None
+        if softcap is None and window is not None and self.native_decode and fb.req_to_token.device.type == "cpu":
+            rows = self._window_rows(fb, window)
+        if rows is None:
+            return self._attend_masked(q, layer_id, fb, scale, window, softcap)
+        return self._attend_rows(q, layer_id, rows, scale)
+
+    def _window_rows(self, fb: ForwardBatch, window: int) -> _NativeDecode | None:
+        """window_rows of this forward, built once for all its sliding layers; None (the torch
+        path) past MAX_SHORT_EXTEND_KEYS indices."""
+        if self._windows_of is not fb:
+            self._windows_of, self._windows = fb, {}
+        if window not in self._windows:
+            keys = int((fb.positions + 1).clamp(max=window).sum())
+            self._windows[window] = _NativeDecode(*window_rows(fb, window)) if keys <= MAX_SHORT_EXTEND_KEYS else None
+        return self._windows[window]
 
     def _store(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor) -> None:
         pool = self.kv_pool
@@ -177,13 +220,15 @@ class CpuNativeAttention(TorchNativeAttention):
         if not stored:
             pool.set_kv(layer_id, loc, k, v)
 
-    def _extend_native(self, q: torch.Tensor, layer_id: int, meta: _NativeExtend, scale: float) -> torch.Tensor:
-        """The prefill kernel over each request's keys (an int8 pool's with its scales)."""
+    def _extend_native(self, q: torch.Tensor, layer_id: int, meta: _NativeExtend, scale: float,
+                       window: int | None = None) -> torch.Tensor:
+        """The prefill kernel over each request's keys (an int8 pool's with its scales), within
+        `window` for a sliding layer."""
         pool = self.kv_pool
         k_buf, v_buf = pool.get_kv(layer_id)
         scales = {"k_scale": pool.k_scale[layer_id], "v_scale": pool.v_scale[layer_id]} if self.quantized else {}
         out = cpu_ops.extend_attention(q, k_buf, v_buf, meta.q_indptr, meta.kv_indptr, meta.kv_indices, scale,
-                                       **scales)
+                                       window=window, **scales)
         if out is None:
             raise RuntimeError(f"native extend attention rejected q {tuple(q.shape)} {q.dtype}")
         return out

@@ -44,6 +44,11 @@ class _Meta:
 
 @ATTENTION_BACKENDS.register("flashinfer")
 class FlashInferAttention(AttentionBackend):
+    # Its plans are per forward, not per layer: the sliding and global layers of one model would
+    # need two of each; not done.
+    supports_window = False
+    supports_softcap = False
+
     def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
         # Checked first (before any GPU/library check) so the message names the real problem.
@@ -101,7 +106,11 @@ class FlashInferAttention(AttentionBackend):
 
     # ---- compute ----
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch, scale: float) -> torch.Tensor:
+                fb: ForwardBatch, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            raise ValueError("the flashinfer attention backend does not implement sliding-window attention or "
+                             "score soft-capping; use --attention-backend cpu or torch_native")
         meta = fb.attn_metadata
         if not isinstance(meta, _Meta):  # caller skipped init_forward_metadata
             self.init_forward_metadata(fb)

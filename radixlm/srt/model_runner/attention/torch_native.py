@@ -14,6 +14,9 @@ query (see _decode_group); a single request uses SDPA. When every request of the
 starts with the same KV slots (a radix-shared prefix), that prefix is gathered once and
 attended to with per-KV-head GEMMs over all n*G query rows (see _decode_shared).
 
+SLIDING-WINDOW and SOFT-CAPPED layers (Gemma 2/3) attend per request over only the keys in
+their window (masked.py), in both modes.
+
 Gathers go into a reused workspace: fresh multi-MB allocations are returned to the OS
 on free and page-faulted back in on every layer, which measured 2-3x slower for fp32
 at B=32, L=1024 on the 2-core VM.
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.srt.model_runner.attention.base import ATTENTION_BACKENDS, AttentionBackend
+from radixlm.srt.model_runner.attention.masked import attend_masked
 from radixlm.srt.model_runner.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -263,8 +267,11 @@ class TorchNativeAttention(AttentionBackend):
 
     # ---- compute ----
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch, scale: float) -> torch.Tensor:
+                fb: ForwardBatch, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         self.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if window is not None or softcap is not None:
+            return self._attend_masked(q, layer_id, fb, scale, window, softcap)
         meta = fb.attn_metadata
         if meta is None:  # caller skipped init_forward_metadata
             self.init_forward_metadata(fb)
@@ -280,6 +287,19 @@ class TorchNativeAttention(AttentionBackend):
             k = self.kv_pool.gather_kv(layer_id, fb.out_cache_loc, 0)
             v = self.kv_pool.gather_kv(layer_id, fb.out_cache_loc, 1)
         return self._extend(q, k, v, layer_id, meta, scale)
+
+    def _attend_masked(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, scale: float,
+                       window: int | None, softcap: float | None) -> torch.Tensor:
+        """A sliding-window or soft-capped layer, per request over the keys it can see (masked.py);
+        the new tokens' K/V are read back from the pool like the prefix's."""
+        k_buf, v_buf = self.kv_pool.get_kv(layer_id)
+
+        def gather(index: torch.Tensor, which: int) -> torch.Tensor:
+            if self.kv_pool.quantized:
+                return self.kv_pool.gather_kv(layer_id, index, which)
+            return (k_buf if which == 0 else v_buf).index_select(0, index)
+
+        return attend_masked(q, fb, gather, self.group, scale, window, softcap)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 meta: _ExtendMetadata, scale: float) -> torch.Tensor:

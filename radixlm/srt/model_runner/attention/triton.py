@@ -57,6 +57,8 @@ def interpreter_enabled() -> bool:
 
 @ATTENTION_BACKENDS.register("triton")
 class TritonAttention(AttentionBackend):
+    supports_window = False  # the kernels have no lower key bound; soft-capping they do (logit_cap)
+
     def __init__(self, kv_pool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(kv_pool, num_heads, num_kv_heads, head_dim)
         # Checked first (before any GPU/library check) so the message names the real problem.
@@ -99,7 +101,12 @@ class TritonAttention(AttentionBackend):
 
     # ---- compute ----
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                fb: ForwardBatch, scale: float) -> torch.Tensor:
+                fb: ForwardBatch, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        if window is not None:
+            raise ValueError("the triton attention backend does not implement sliding-window attention; "
+                             "use --attention-backend cpu or torch_native")
+        cap = self.logit_cap if softcap is None else float(softcap)
         meta = fb.attn_metadata
         if not isinstance(meta, (_DecodeMeta, _ExtendMeta)):  # caller skipped init_forward_metadata
             self.init_forward_metadata(fb)
@@ -108,9 +115,9 @@ class TritonAttention(AttentionBackend):
         store_kv(k_buf, v_buf, meta.out_cache_loc, k, v)
         if isinstance(meta, _DecodeMeta):
             return decode_attention_fwd(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, scale,
-                                        self.logit_cap, meta.num_kv_splits, block_n=self.block_n)
+                                        cap, meta.num_kv_splits, block_n=self.block_n)
         return extend_attention_fwd(q, k, v, k_buf, v_buf, meta.qo_indptr, meta.prefix_indptr,
-                                    meta.prefix_indices, meta.max_extend_len, scale, self.logit_cap,
+                                    meta.prefix_indices, meta.max_extend_len, scale, cap,
                                     block_m=self.block_m, block_n=self.block_n)
 
 
