@@ -8,11 +8,13 @@ from radixlm.config import ModelConfig
 from radixlm.registry import Registry
 from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from radixlm.srt.models.phi3 import Phi3ForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
 MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
 MODEL_ARCHS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
 MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
+MODEL_ARCHS.register("Phi3ForCausalLM")(Phi3ForCausalLM)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

@@ -73,7 +73,27 @@ def iter_weights(path: str, model_config: ModelConfig, shard_of: ShardOf | None 
     """Yield (Hugging Face state-dict name, tensor) pairs; tensors are CPU, any float dtype.
     With `shard_of` (a tensor-parallel rank's TPLayout.shard), only that rank's part of each
     tensor: safetensors (and the GGUF cache) are read by slice, so a rank never holds more
-    than its shard plus, for .bin or an uncached GGUF, one full tensor at a time."""
+    than its shard plus, for .bin or an uncached GGUF, one full tensor at a time.
+    A checkpoint whose tensors fuse what the layout shards apart (Phi-3's qkv_proj and
+    gate_up_proj) is cut into the separate names first (the model class's `split_fused`),
+    then sharded: a rank then holds one full fused tensor at a time."""
+    split = _split_fused(model_config) if shard_of is not None else None
+    if split is not None:
+        yield from take_shards(split(_iter_all(path, model_config), model_config), shard_of)
+        return
+    yield from _iter_all(path, model_config, shard_of)
+
+
+def _split_fused(model_config: ModelConfig):
+    from radixlm.srt.models.registry import MODEL_ARCHS
+
+    if model_config.architecture not in MODEL_ARCHS:
+        return None
+    return getattr(MODEL_ARCHS.get(model_config.architecture), "split_fused", None)
+
+
+def _iter_all(path: str, model_config: ModelConfig, shard_of: ShardOf | None = None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     if os.path.isdir(path):
         yield from iter_hf_weights(path, shard_of)
         return
