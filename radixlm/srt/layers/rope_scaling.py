@@ -18,8 +18,11 @@ newest token of its forward (a decode step):
               `long_factor` from there on, cos/sin multiplied by
               sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) everywhere.
 That is exactly Hugging Face's `generate` for a prompt shorter than the limit, however far the
-generation runs past it; one Hugging Face forward over a prompt longer than the limit instead
-rotates all its positions with the long (dynamic: the last position's) frequencies.
+generation runs past it (Llama-class models); one Hugging Face forward over a prompt longer than
+the limit instead rotates all its positions with the long (dynamic: the last position's)
+frequencies, and transformers' Phi-3 `generate` drops its cache when a sequence passes
+original_max_position_embeddings and recomputes it all with the long factors. Matching those
+would need the prefix cache keyed by which factors made a key, and a recompute at the crossing.
 """
 from __future__ import annotations
 
