@@ -5,6 +5,7 @@ Static scalings give one inverse-frequency vector for every position:
     default   theta^(-2i/d)
     linear    the default divided by `factor` (positions stretched)
     llama3    long wavelengths divided by `factor`, short ones kept, a smooth band between
+              (from a GGUF: `freq_factors`, llama.cpp's per-frequency divisors, on any of these)
     yarn      per-frequency blend of interpolation (/ factor) and extrapolation, and cos/sin
               multiplied by an attention factor (0.1 ln(factor) + 1 unless the config says)
 Two scalings depend on how long the sequence is. Hugging Face recomputes them on every forward
@@ -163,6 +164,13 @@ class RopeAngles:
         else:
             self.limit = 0  # no position dependence
             self.inv_freq, self.attention = static_inv_freq(self.dim, self.base, self.scaling, self.max_position)
+            if s.get("freq_factors") is not None:
+                # llama.cpp's rope_freqs tensor (GGUF): frequency i divided by factor i
+                factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+                if factors.numel() != self.dim // 2:
+                    raise ValueError(f"rope_freqs has {factors.numel()} factors, the rotary dimension needs "
+                                     f"{self.dim // 2}")
+                self.inv_freq = self.inv_freq / factors
 
     def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         """[len(positions), dim/2]: the NTK base of a forward whose last position is p, per p,
