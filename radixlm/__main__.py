@@ -12,10 +12,26 @@ import sys
 from radixlm.config import ServerArgs
 
 
+def _checked_args(ns: argparse.Namespace) -> ServerArgs | None:
+    """The arguments and the model they name, checked before anything starts; None after a
+    one-line error on stderr (the caller exits with 2)."""
+    from radixlm.srt.weights.loader import check_model
+
+    try:
+        args = ServerArgs.from_cli_args(ns)
+        check_model(args.model_path)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"radixlm: error: {e}", file=sys.stderr)
+        return None
+    return args
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from radixlm.srt.engine import Engine
 
-    args = ServerArgs.from_cli_args(ns)
+    args = _checked_args(ns)
+    if args is None:
+        return 2
     with Engine(**{k: v for k, v in vars(args).items()}) as engine:
         prompt = ns.prompt
         if not ns.raw and getattr(engine.tokenizer, "chat_template", None):
@@ -33,6 +49,9 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    args = _checked_args(ns)
+    if args is None:
+        return 2
     if ns.dp_size > 1:
         from radixlm.srt.fleet.launch import FleetOptions, launch_dp
 
@@ -41,10 +60,10 @@ def _serve(ns: argparse.Namespace) -> int:
                              "been tested behind the fleet's gateway (each replica would draft on its own index)")
 
         options = FleetOptions(ns.dp_size, ns.dp_router, ns.dp_policy)
-        return launch_dp(ServerArgs.from_cli_args(ns), options, served_model_name=ns.served_model_name)
+        return launch_dp(args, options, served_model_name=ns.served_model_name)
     from radixlm.srt.http_server import launch_server
 
-    launch_server(ServerArgs.from_cli_args(ns), served_model_name=ns.served_model_name)
+    launch_server(args, served_model_name=ns.served_model_name)
     return 0
 
 

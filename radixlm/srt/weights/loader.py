@@ -23,7 +23,7 @@ from radixlm.srt.weights.safetensors_loader import (ShardOf, hf_model_config, it
 from radixlm.srt.weights.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "default_model_path", "resolve_model_path",
-           "load_model_config", "iter_weights", "load_tokenizer", "resolve_dtype", "is_gguf"]
+           "load_model_config", "check_model", "iter_weights", "load_tokenizer", "resolve_dtype", "is_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,16 @@ def load_model_config(path: str) -> ModelConfig:
     if os.path.isdir(path):
         return hf_model_config(path)
     raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def check_model(path: str | None) -> ModelConfig:
+    """The model a user named, read far enough to know radixlm can build it (its config: the
+    architecture, rope scaling and shapes), before any process starts. A mistake is a one-line
+    ValueError (FileNotFoundError for a missing path or file) that says what is supported."""
+    try:
+        return load_model_config(resolve_model_path(path))
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
 
 
 def iter_weights(path: str, model_config: ModelConfig, shard_of: ShardOf | None = None

@@ -122,15 +122,37 @@ def test_a_long_prompt_differs_from_one_hf_forward_as_documented(scaled_dirs):
     assert (got[16:] - ref.logits(ids)[16:]).abs().max() > 1e-3
 
 
-def test_unsupported_rope_type_is_one_line_naming_the_supported(tmp_path, tiny_llama_dir):
-    with open(os.path.join(tiny_llama_dir, "config.json")) as f:
+def _edited_copy(model_dir: str, dest, **changes) -> str:
+    with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    cfg["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0}
-    d = tmp_path / "m"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
+    dest.mkdir()
+    (dest / "config.json").write_text(json.dumps(dict(cfg, **changes)))
+    return str(dest)
+
+
+@pytest.mark.parametrize("what", ["rope", "architecture"])
+def test_an_unsupported_model_is_one_line_naming_the_supported(tmp_path, tiny_llama_dir, what):
+    """From the config, in the Engine (before any process starts) and on the command line
+    (one line on stderr, exit code 2)."""
+    import subprocess
+    import sys
+
+    from radixlm import Engine
+
+    if what == "rope":
+        d = _edited_copy(tiny_llama_dir, tmp_path / "m", rope_parameters={"rope_type": "mrope", "rope_theta": 1e4})
+        said = "rope scaling type 'mrope' is not supported (supported: default, linear, llama3, yarn, dynamic, longrope)"
+    else:
+        d = _edited_copy(tiny_llama_dir, tmp_path / "m", architectures=["GPT2LMHeadModel"])
+        said = "architecture 'GPT2LMHeadModel' is not supported (supported: LlamaForCausalLM, "
     with pytest.raises(ValueError) as e:
-        load_model_config(str(d))
-    msg = str(e.value)
-    assert "\n" not in msg and "'mrope' is not supported" in msg
-    assert "supported: default, linear, llama3, yarn, dynamic, longrope" in msg
+        load_model_config(d)
+    assert "\n" not in str(e.value) and said in str(e.value)
+    if what == "architecture":
+        assert "Phi3ForCausalLM" in str(e.value)
+    with pytest.raises(ValueError, match="is not supported"):
+        Engine(model_path=d, dtype="float32")
+    cli = subprocess.run([sys.executable, "-m", "radixlm", "generate", "hi", "--model-path", d], capture_output=True,
+                         text=True, timeout=120)
+    assert cli.returncode == 2 and cli.stdout == ""
+    assert cli.stderr.strip().count("\n") == 0 and said in cli.stderr
