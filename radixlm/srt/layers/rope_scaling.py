@@ -38,10 +38,15 @@ _REQUIRED = {"linear": ("factor",), "llama3": ("factor",), "yarn": ("factor",), 
              "longrope": ("short_factor", "long_factor")}
 
 
+# Older names of the same scalings in configs on the Hub (early Phi-3 128k checkpoints).
+_ALIASES = {"su": "longrope"}
+
+
 def rope_type(scaling: dict | None) -> str:
     if not scaling:
         return "default"
-    return str(scaling.get("rope_type", scaling.get("type", "default")))
+    kind = str(scaling.get("rope_type", scaling.get("type", "default")))
+    return _ALIASES.get(kind, kind)
 
 
 def check_rope_scaling(scaling: dict | None, rotary_dim: int | None = None) -> None:

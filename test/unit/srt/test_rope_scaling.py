@@ -156,3 +156,19 @@ def test_an_unsupported_model_is_one_line_naming_the_supported(tmp_path, tiny_ll
                          text=True, timeout=120)
     assert cli.returncode == 2 and cli.stdout == ""
     assert cli.stderr.strip().count("\n") == 0 and said in cli.stderr
+
+
+def test_older_config_spellings():
+    """`rope_scaling` with `type` (and Phi-3's early `su`), the top-level original length taking
+    precedence, as transformers reads them."""
+    from radixlm.srt.layers.rope_scaling import hf_rope_scaling
+
+    scaling, partial = hf_rope_scaling({"rope_scaling": {"type": "su", "short_factor": SHORT, "long_factor": LONG,
+                                                         "original_max_position_embeddings": 8},
+                                        "original_max_position_embeddings": 16, "max_position_embeddings": 64,
+                                        "partial_rotary_factor": 0.5})
+    assert scaling == {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                       "original_max_position_embeddings": 16} and partial == 0.5
+    assert hf_rope_scaling({"rope_scaling": {"type": "yarn", "factor": 2.0}, "max_position_embeddings": 32})[0] == \
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}
+    assert hf_rope_scaling({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}) == (None, 1.0)
