@@ -139,3 +139,35 @@ def test_split_fused_cuts_rows_in_checkpoint_order(phi3_dir):
     assert torch.equal(out["model.layers.0.self_attn.v_proj.weight"], qkv[96:])
     with pytest.raises(ValueError, match="rows"):
         list(Phi3ForCausalLM.split_fused([("model.layers.0.mlp.gate_up_proj.weight", qkv)], cfg))
+
+
+def test_fused_updates_reach_each_ranks_shard():
+    """update_weights_from_tensor at tp 2 with Phi-3's fused names: each rank keeps its heads'
+    rows of q, k and v (its rows of gate and up), as when loading."""
+    from dataclasses import replace
+
+    from radixlm.srt.distributed.context import TPContext
+    from radixlm.srt.distributed.layout import TPLayout
+    from radixlm.srt.model_runner.weight_updater import WeightUpdater
+    from radixlm.srt.models.phi3 import Phi3ForCausalLM
+    from radixlm.srt.models.registry import build_model
+    from radixlm.srt.weights.safetensors_loader import take_shards
+    from test.support.sharded_model import random_weights, tiny_config
+
+    cfg = replace(tiny_config(9, 3, tied=False), architecture="Phi3ForCausalLM")
+    split = random_weights(cfg, 1)
+    fused = {"model.layers.1.self_attn.qkv_proj.weight": torch.cat([split[f"model.layers.1.self_attn.{p}_proj.weight"]
+                                                                    for p in "qkv"]),
+             "model.layers.1.mlp.gate_up_proj.weight": torch.cat([split["model.layers.1.mlp.gate_proj.weight"],
+                                                                 split["model.layers.1.mlp.up_proj.weight"]])}
+    for rank in range(2):
+        layout = TPLayout.build(cfg, 2, rank)
+        model = build_model(cfg, torch.float32, "cpu", TPContext(layout, None))
+        model.load_weights(take_shards(Phi3ForCausalLM.split_fused(
+            {n: torch.zeros_like(t) for n, t in split.items()}.items(), cfg), layout.shard))
+        WeightUpdater(model).update(fused.items())
+        want = build_model(cfg, torch.float32, "cpu", TPContext(layout, None))
+        want.load_weights(take_shards(split.items(), layout.shard))
+        for name in ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"):
+            assert torch.equal(model.get_parameter(name), want.get_parameter(name)), (rank, name)
+        assert not model.get_parameter("model.layers.0.self_attn.qkv_proj.weight").any()
