@@ -60,10 +60,29 @@ class ModelConfig:
         if self.sliding_window is None or not self.layer_types:
             return None
         return self.sliding_window if self.layer_types[layer_id] == "sliding_attention" else None
+    # ---- rope and context (Phi-3 family, rope scalings) ----
+    # Fraction of each head that rotates (partial rotary; Phi-3/Phi-4 configs).
+    partial_rotary_factor: float = 1.0
+    # A context shorter than max_position_embeddings (a sliding window radixlm does not run for
+    # this family: every sequence then fits inside it); None: no such limit.
+    context_limit: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def context_len(self) -> int:
-        return self.max_position_embeddings
+        """max_position_embeddings, times the factor of a yarn (over the original length) or
+        dynamic scaling, whose configs leave max_position_embeddings at the trained length."""
+        n = self.max_position_embeddings
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "yarn" and scaling.get("factor"):
+            n = max(n, int(float(scaling.get("original_max_position_embeddings") or n) * float(scaling["factor"])))
+        elif kind == "dynamic":
+            n = int(n * float(scaling["factor"]))
+        return n if self.context_limit is None else min(n, self.context_limit)
 
     @property
     def chunk_cost_keys(self) -> int:

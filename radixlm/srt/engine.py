@@ -85,7 +85,10 @@ class Engine:
         from radixlm.srt.launch import launch_subprocesses
         from radixlm.srt.tokenizer_manager import TokenizerManager
 
+        from radixlm.srt.weights.loader import check_model
+
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        check_model(self.server_args.model_path)  # a model radixlm cannot build fails here, in one line
         logging.basicConfig(level=self.server_args.log_level.upper())
         self._closed = False
         self._calls: set[concurrent.futures.Future] = set()  # calls in progress on the loop

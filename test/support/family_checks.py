@@ -136,6 +136,39 @@ def check_logits(model_dir: str, prompts: list[list[int]] | None = None, referen
     torch.testing.assert_close(got[-1], ref.logits(prompts[-1]), atol=atol, rtol=0)
 
 
+def hf_generate_logits(ref: HFReference, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy tokens and the raw logits [n, vocab] that chose them, one decode step each
+    (its KV cache: every token rotated and attended to as in HF's own generation)."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        out = ref.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 generation_config=cfg)
+    return out.sequences[0, len(ids):].tolist(), torch.stack([lg[0].float() for lg in out.logits])
+
+
+def check_decode_logits(model_dir: str, prompts: list[list[int]], n: int = GREEDY_TOKENS,
+                        reference: HFReference | None = None, atol: float = LOGITS_ATOL,
+                        backend: str = "torch_native") -> None:
+    """The logits of every step of HF's `generate` (a batch prefill, then `n` - 1 decode steps of
+    all prompts together, fed HF's tokens) against those HF's generation saw: positions past a
+    length the rope or attention depends on are reached one decode step at a time, as there."""
+    ours = load_radixlm(model_dir)
+    ref = reference or HFReference(model_dir)
+    runs = [hf_generate_logits(ref, p, n) for p in prompts]
+    h = ModelHarness(ours, backend=backend, max_context=max(map(len, prompts)) + n + 1)
+    rows = [h.new_request() for _ in prompts]
+    got = [[lg[-1]] for lg in h.extend(rows, prompts)]
+    for step in range(n - 1):
+        for seq, lg in zip(got, h.decode(rows, [tokens[step] for tokens, _ in runs])):
+            seq.append(lg)
+    for p, (_, want), seq in zip(prompts, runs, got):
+        torch.testing.assert_close(torch.stack(seq), want, atol=atol, rtol=0,
+                                   msg=lambda m: f"decode steps after a prompt of {len(p)} tokens: {m}")
+
+
 @dataclass
 class SchedulerDriver:
     """A real scheduler over the real model runner, pools and radix tree, in this process, stepped
@@ -191,8 +224,8 @@ class SchedulerDriver:
 
 
 def _greedy_in_process(model_dir: str, variant: str, prompts: list[list[int]], ref: HFReference, n: int,
-                       chunk: int) -> None:
-    kw = {"chunked_prefill_size": chunk} if variant == "chunked" else {}
+                       chunk: int, server_kw: dict) -> None:
+    kw = dict(server_kw, chunked_prefill_size=chunk) if variant == "chunked" else dict(server_kw)
     if variant == "chunked":
         assert max(map(len, prompts)) > 2 * chunk, "no prompt long enough to take several chunks"
     d = SchedulerDriver(model_dir, kw)
@@ -220,12 +253,14 @@ def _greedy_in_process(model_dir: str, variant: str, prompts: list[list[int]], r
     d.assert_conserved()
 
 
-def _greedy_tp2(model_dir: str, prompts: list[list[int]], ref: HFReference, n: int, chunk: int) -> None:
+def _greedy_tp2(model_dir: str, prompts: list[list[int]], ref: HFReference, n: int, chunk: int,
+                server_kw: dict) -> None:
     from radixlm import Engine
 
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    with Engine(model_path=model_dir, tp_size=2, dtype="float32", max_total_tokens=4096,
-                chunked_prefill_size=chunk, skip_tokenizer_init=True, debug_check_integrity=True) as eng:
+    kw = dict(dtype="float32", max_total_tokens=4096, chunked_prefill_size=chunk, skip_tokenizer_init=True,
+              debug_check_integrity=True)
+    with Engine(model_path=model_dir, tp_size=2, **(kw | server_kw)) as eng:
         assert eng.get_server_info()["tp_size"] == 2
         outs = eng.generate(input_ids=prompts, sampling_params=params)
         for p, o in zip(prompts, outs):
@@ -239,17 +274,18 @@ def _greedy_tp2(model_dir: str, prompts: list[list[int]], ref: HFReference, n: i
 
 
 def check_greedy(model_dir: str, variant: str, prompts: list[list[int]] | None = None,
-                 reference: HFReference | None = None, n: int = GREEDY_TOKENS, chunk: int = CHUNK) -> None:
+                 reference: HFReference | None = None, n: int = GREEDY_TOKENS, chunk: int = CHUNK,
+                 server_kw: dict | None = None) -> None:
     """`n` greedy tokens per prompt through the engine path `variant` (one of VARIANTS), identical
-    to HF's."""
+    to HF's; `server_kw`: more ServerArgs (e.g. a context_length, an attention_backend)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
     ref = reference or HFReference(model_dir)
     prompts = prompts or ref.prompts()
     if variant == "tp2":
-        _greedy_tp2(model_dir, prompts, ref, n, chunk)
+        _greedy_tp2(model_dir, prompts, ref, n, chunk, server_kw or {})
     else:
-        _greedy_in_process(model_dir, variant, prompts, ref, n, chunk)
+        _greedy_in_process(model_dir, variant, prompts, ref, n, chunk, server_kw or {})
 
 
 def check_family(model_dir: str, variants: tuple[str, ...] = VARIANTS, prompts: list[list[int]] | None = None,

@@ -7,62 +7,30 @@ cos/sin are cached per position, so a flat batch of tokens with arbitrary positi
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from radixlm.kernels.cpu import ops as cpu_ops
+from radixlm.srt.layers.rope_scaling import RopeAngles, compute_inv_freq, default_inv_freq, llama3_inv_freq
 
-
-def default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    # Same expression as HF (int64 arange -> float) so float32 results are bit-identical.
-    # Explicit CPU: models are built under a `torch.device` context, and the tables are
-    # computed on CPU then moved (see RotaryEmbedding._cos_sin).
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1 long-context scaling: long wavelengths are slowed by `factor`, short ones
-    kept, and the band in between interpolated smoothly."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    orig = float(scaling.get("original_max_position_embeddings", 8192))
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = orig / low, orig / high
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (orig / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    in_band = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(in_band, blended, scaled)
-
-
-def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
-    inv_freq = default_inv_freq(head_dim, base)
-    if not rope_scaling:
-        return inv_freq
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        # Positions divided by factor == frequencies divided by factor.
-        return inv_freq / float(rope_scaling["factor"])
-    if kind == "llama3":
-        return llama3_inv_freq(inv_freq, rope_scaling)
-    raise NotImplementedError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+__all__ = ["RotaryEmbedding", "BatchRope", "apply_rotary", "apply_rotary_full", "full_width_tables",
+           "compute_inv_freq", "default_inv_freq", "llama3_inv_freq"]
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None) -> None:
+                 rope_scaling: dict | None = None, rotary_dim: int | None = None) -> None:
+        """`rotary_dim` < head_dim (partial rotary): only each head's first rotary_dim
+        dimensions rotate, the rest pass through; `rope_scaling` as in rope_scaling.py."""
         super().__init__()
-        if head_dim % 2:
-            raise ValueError("rotary head_dim must be even")
+        self.rotary_dim = rotary_dim or head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > head_dim:
+            raise ValueError(f"rotary dimension {self.rotary_dim} must be even and at most head_dim {head_dim}")
         self.head_dim = head_dim
-        self.inv_freq = compute_inv_freq(head_dim, base, rope_scaling)  # float32, CPU
+        self.angles = RopeAngles(self.rotary_dim, base, rope_scaling, max_position)
+        self.inv_freq = self.angles.inv_freq  # float32, CPU (below the limit, for the position-dependent types)
         self.max_position = max_position
         # Built lazily on the input's device (the model is constructed without running
         # any init and may be moved); keyed by (device, dtype).
@@ -77,10 +45,13 @@ class RotaryEmbedding(nn.Module):
         if n > self.max_position:  # positions past the config's limit: grow, don't crash
             self.max_position = n
             self._cache.clear()
-        t = torch.arange(n, dtype=torch.int64, device="cpu").float()
-        freqs = torch.outer(t, self.inv_freq)  # [n, D/2], float32 like HF
-        # Half-width tables: both halves of HF's cat(freqs, freqs) are equal.
-        entry = (freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype))
+        freqs = self.angles.angles(n)  # [n, rotary_dim/2], float32 like HF
+        # Half-width tables: both halves of HF's cat(freqs, freqs) are equal. The attention
+        # factor (yarn, longrope) multiplies both, as HF does before casting.
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.angles.attention != 1.0:
+            cos, sin = cos * self.angles.attention, sin * self.angles.attention
+        entry = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
         self._cache[(device, dtype)] = entry
         return entry
 
@@ -99,7 +70,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] -> rotated copy (convenience; the model uses apply_rotary)."""
         cos, sin = self.cos_sin(positions, x.dtype)
-        return apply_rotary(x, cos, sin)
+        if self.rotary_dim == x.shape[-1]:
+            return apply_rotary(x, cos, sin)
+        return torch.cat((apply_rotary(x[..., :self.rotary_dim], cos, sin), x[..., self.rotary_dim:]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,6 +109,7 @@ class BatchRope:
     cos: torch.Tensor
     sin: torch.Tensor
     native: bool
+    rotary_dim: int  # < head_dim: partial rotary (the native kernels then never see it)
 
     @staticmethod
     def build(rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
@@ -144,16 +118,20 @@ class BatchRope:
             if max_seq_len is None:
                 max_seq_len = int(positions.max()) + 1 if positions.numel() else 0
             cos, sin = rotary._cos_sin(positions.device, torch.float32, max_seq_len)
-            return BatchRope(positions.contiguous(), cos, sin, True)
+            return BatchRope(positions.contiguous(), cos, sin, True, rotary.rotary_dim)
         cos, sin = full_width_tables(*rotary.cos_sin(positions, dtype, max_seq_len))
-        return BatchRope(positions, cos, sin, False)
+        return BatchRope(positions, cos, sin, False, rotary.rotary_dim)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] -> rotated x (in place when native)."""
-        if self.native and cpu_ops.rope_inplace(x, self.positions, self.cos, self.sin):
+        """x: [T, heads, D] -> rotated x (in place when native and the whole head rotates)."""
+        partial = self.rotary_dim != x.shape[-1]
+        part = x[..., :self.rotary_dim] if partial else x
+        if not partial and self.native and cpu_ops.rope_inplace(x, self.positions, self.cos, self.sin):
             return x
         if self.native:  # layout the kernel does not take: torch tables on the fly
             cos, sin = full_width_tables(self.cos.index_select(0, self.positions).unsqueeze(1).to(x.dtype),
                                          self.sin.index_select(0, self.positions).unsqueeze(1).to(x.dtype))
-            return apply_rotary_full(x, cos, sin)
-        return apply_rotary_full(x, self.cos, self.sin)
+        else:
+            cos, sin = self.cos, self.sin
+        rotated = apply_rotary_full(part, cos, sin)
+        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1) if partial else rotated

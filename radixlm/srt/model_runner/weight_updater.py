@@ -36,7 +36,11 @@ class WeightUpdater:
 
     def plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], sharded: bool = False) -> Plan:
         """Check every tensor; ValueError on the first bad one. `sharded`: the tensors are this
-        rank's shards already (the loader's), else full tensors cut here."""
+        rank's shards already (the loader's), else full tensors cut here (fused checkpoint
+        tensors, Phi-3's qkv_proj / gate_up_proj, cut into their parts first: `split_fused`)."""
+        split = getattr(type(self.model), "split_fused", None)
+        if split is not None and not sharded and self.model.tp.size > 1:
+            named_tensors = split(named_tensors, self.model.config)
         plan: Plan = []
         for name, tensor in named_tensors:
             if not isinstance(tensor, torch.Tensor):

@@ -15,7 +15,8 @@ and the model takes its Python layers:
   F.linear), a bias of the model dtype;
 - the attention backend's decode kernel (`CpuNativeAttention.decode_rows`) or its prefill
   kernel (`extend_rows`; with rows, those `forward_rows` gives it),
-  native RoPE tables, one norm epsilon for all norms.
+  native RoPE tables over whole heads, one norm epsilon for all norms;
+- a model class listed in FUSED_GRAPH_CLASSES (its graph is the one the native layers run).
 On a 2k prompt the Python between the kernels was ~3-6% of the prefill (docs/roofline.md,
 session 33).
 The pointer table is rebuilt when a Linear drops its packed copies (a weight update, a change of
@@ -40,6 +41,12 @@ from radixlm.srt.model_runner.attention.cpu import CpuNativeAttention
 from radixlm.srt.model_runner.forward_batch import ForwardBatch
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# The model classes whose forward is exactly the graph the native layers compute (pre-norm
+# Llama blocks: fused qkv with optional bias, neox rope over the whole head, SiLU-gated MLP,
+# one final norm). Matched by the class itself, not inherited: a new family that subclasses
+# LlamaForCausalLM and changes the graph (q/k norms, other norms or activations, windows)
+# takes its Python layers until it is added here.
+FUSED_GRAPH_CLASSES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"})
 
 
 def _linear_spec(lin: Linear, dtype: torch.dtype) -> native.LinearSpec | None:
@@ -149,6 +156,8 @@ class FusedDecode:
             return None
         if model.tp.size != 1 or dtype not in _DTYPES or not cpu_ops.available() or not attn.native_decode:
             return None
+        if type(model).__name__ not in FUSED_GRAPH_CLASSES or model.rotary.rotary_dim != model.config.head_dim:
+            return None  # the kernel rotates whole heads of the Llama graph only
         layers = list(model.model.layers)
         norms = [model.model.norm] + [n for layer in layers
                                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]

@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(local, dtype, self.tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling)
+                                      config.rope_scaling, config.rotary_dim)
         if config.tie_word_embeddings:
             self.lm_head = None  # logits reuse embed_tokens.weight
         else:

@@ -9,6 +9,7 @@ from radixlm.registry import Registry
 from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from radixlm.srt.models.phi3 import Phi3ForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
 MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
@@ -17,6 +18,7 @@ MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
 MODEL_ARCHS.register("Gemma3ForCausalLM")(Gemma3ForCausalLM)
 MODEL_ARCHS.register("Gemma3ForConditionalGeneration")(Gemma3ForConditionalGeneration)
 MODEL_ARCHS.register("Gemma2ForCausalLM")(Gemma2ForCausalLM)
+MODEL_ARCHS.register("Phi3ForCausalLM")(Phi3ForCausalLM)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

@@ -33,8 +33,12 @@ _NUMPY_OF: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5
 _STRING, _ARRAY = 8, 9
 
 # Architectures we can run, GGUF name -> Hugging Face class name.
-GGUF_ARCHS: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHS: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "phi3": "Phi3ForCausalLM"}
 GGUF_ARCHS.update(GEMMA_GGUF_ARCHS)  # Gemma 2/3: their fields from gemma_config.gemma_gguf_config
+# Tensors that are rope parameters, not weights: read into the config (gguf_rope).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_F32 = 0  # GGML type id of float32
 
 
 @dataclass
@@ -48,15 +52,27 @@ class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # GGUF order (fastest-varying dimension first)
     type_id: int
+    offset: int = 0  # of its data in the file
 
 
 @dataclass
 class GGUFMetadata:
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, GGUFTensorInfo] = field(default_factory=dict)
+    path: str = ""
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+    def small_f32(self, name: str) -> list[float]:
+        """The values of a small float32 tensor (rope factors), read from the file."""
+        info = self.tensors[name]
+        if info.type_id != _F32:
+            raise ValueError(f"{self.path}: GGUF tensor {name} is not float32 (type {info.type_id})")
+        n = int(np.prod(info.shape))
+        with open(self.path, "rb") as f:
+            f.seek(info.offset)
+            return np.frombuffer(f.read(4 * n), dtype="<f4").astype(np.float64).tolist()
 
 
 class _Cursor:
@@ -113,7 +129,7 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
         if version not in (2, 3):
             raise ValueError(f"{path}: unsupported GGUF version {version} (big-endian or v1 file?)")
         n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
-        meta = GGUFMetadata()
+        meta = GGUFMetadata(path=path)
         for _ in range(n_kv):
             key = cur.string()
             meta.fields[key] = cur.value(cur.scalar(4))
@@ -122,8 +138,12 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
             n_dims = cur.scalar(4)
             shape = tuple(cur.scalar(10) for _ in range(n_dims))
             type_id = cur.scalar(4)
-            cur.scalar(10)  # data offset; GGUFReader handles the data
-            meta.tensors[name] = GGUFTensorInfo(name, shape, type_id)
+            offset = cur.scalar(10)  # from the start of the data section
+            meta.tensors[name] = GGUFTensorInfo(name, shape, type_id, offset)
+        align = int(meta.get("general.alignment", 32))
+        data_start = (cur.pos + align - 1) // align * align
+        for info in meta.tensors.values():
+            info.offset += data_start
         return meta
 
 
@@ -133,10 +153,6 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {sorted(GGUF_ARCHS)})")
-    if "rope_freqs.weight" in meta.tensors:
-        # Llama 3.1 GGUFs bake llama3 rope scaling into per-frequency factors.
-        raise NotImplementedError(f"{path}: GGUF rope_freqs (llama3 rope scaling) is not supported; "
-                                  "load the Hugging Face directory instead")
 
     def need(key: str) -> Any:
         v = meta.get(f"{arch}.{key}")
@@ -151,12 +167,12 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
     if vocab is None:
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = tokens.length if isinstance(tokens, SkippedArray) else meta.tensors["token_embd.weight"].shape[1]
-    rope_scaling = None
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise NotImplementedError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
+    max_pos = int(need("context_length"))
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    rope_scaling = gguf_rope(meta, arch, max_pos)
+    # Phi-3's sliding window, which radixlm does not run for it: every sequence fits inside it
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0) if arch == "phi3" else 0
+    context_limit = window if 0 < window < max_pos else None
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = meta.get(key)
@@ -170,7 +186,7 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
         # Stored as float32 (1e-5 reads back as 9.99999974e-06); keep the intended decimal.
         rms_norm_eps=float(f"{float(need('attention.layer_norm_rms_epsilon')):.7g}"),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
-        max_position_embeddings=int(need("context_length")),
+        max_position_embeddings=max_pos, partial_rotary_factor=rope_dims / head_dim, context_limit=context_limit,
         tie_word_embeddings="output.weight" not in meta.tensors,
         attention_bias=any(n.endswith("attn_q.bias") for n in meta.tensors),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
@@ -178,6 +194,40 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
     if arch in GEMMA_GGUF_ARCHS:  # Gemma 2/3
         config = gemma_gguf_config(config, arch, lambda key: meta.get(f"{arch}.{key}"))
     return config
+
+
+def gguf_rope(meta: GGUFMetadata, arch: str, max_pos: int) -> dict | None:
+    """The rope scaling of a GGUF file, in the Hugging Face form rope_scaling.py reads.
+
+    llama.cpp's converter writes Llama 3.1's scaling as per-frequency divisors (the
+    `rope_freqs` tensor: frequency i is theta_i / rope_freqs[i]) and Phi-3's longrope as the
+    `rope_factors_short` / `rope_factors_long` tensors, with the original context length and
+    the attention factor as metadata."""
+    path = meta.path
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    scaling: dict | None = None
+    if "rope_factors_long.weight" in meta.tensors:
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig is None:
+            raise ValueError(f"{path}: GGUF rope_factors_long without {arch}.rope.scaling.original_context_length")
+        scaling = {"rope_type": "longrope", "long_factor": meta.small_f32("rope_factors_long.weight"),
+                   "short_factor": meta.small_f32("rope_factors_short.weight"),
+                   "original_max_position_embeddings": int(orig)}
+        attn = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            scaling["attention_factor"] = float(attn)
+    elif scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta.get(f"{arch}.rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(meta.get(f"{arch}.rope.scaling.factor")),
+                   "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length")
+                                                           or max_pos)}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported "
+                         "(supported: none, linear, yarn, rope_freqs / rope_factors tensors)")
+    if "rope_freqs.weight" in meta.tensors:
+        scaling = dict(scaling or {"rope_type": "default"}, freq_factors=meta.small_f32("rope_freqs.weight"))
+    return scaling
 
 
 # ---- tensor names ----
@@ -191,16 +241,20 @@ _BLOCK_NAMES = {
 _GEMMA_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
                           post_attention_norm="post_attention_layernorm", post_ffw_norm="post_feedforward_layernorm",
                           attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
+# Phi-3 keeps q/k/v and gate/up fused (ffn_up holds [gate; up]), as its checkpoints do.
+_ARCH_BLOCK_NAMES = {"phi3": dict(_BLOCK_NAMES, attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj"),
+                     **{a: _GEMMA_BLOCK_NAMES for a in GEMMA_GGUF_ARCHS}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     m = _BLOCK_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in block_names:
+        names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+        if part not in names:
             raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{block_names[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base not in _GLOBAL_NAMES or kind not in ("weight", "bias"):
         raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
@@ -230,7 +284,9 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
     permuted = arch == "llama"  # convert_hf_to_gguf permutes q/k only for the llama family
     gemma = arch in GEMMA_GGUF_ARCHS
     for t in reader.tensors:
-        name = hf_name(t.name, _GEMMA_BLOCK_NAMES) if gemma else hf_name(t.name)
+        if t.name in ROPE_TENSORS:
+            continue  # rope parameters, in the config (gguf_rope)
+        name = hf_name(t.name, arch)
         arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))

@@ -24,7 +24,7 @@ from radixlm.srt.weights.safetensors_loader import (ShardOf, hf_model_config, it
 from radixlm.srt.weights.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_MODEL_PACKAGE", "DEFAULT_MODEL_FILE", "default_model_path", "resolve_model_path",
-           "load_model_config", "iter_weights", "load_tokenizer", "resolve_dtype", "is_gguf"]
+           "load_model_config", "check_model", "iter_weights", "load_tokenizer", "resolve_dtype", "is_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +69,42 @@ def load_model_config(path: str) -> ModelConfig:
     raise ValueError(f"{path!r} is neither a .gguf file nor a Hugging Face model directory")
 
 
+def check_model(path: str | None) -> ModelConfig:
+    """The model a user named, read far enough to know radixlm can build it (its config: the
+    architecture, rope scaling and shapes), before any process starts. A mistake is a one-line
+    ValueError (FileNotFoundError for a missing path or file) that says what is supported."""
+    try:
+        return load_model_config(resolve_model_path(path))
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
+
+
 def iter_weights(path: str, model_config: ModelConfig, shard_of: ShardOf | None = None
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face state-dict name, tensor) pairs; tensors are CPU, any float dtype.
     With `shard_of` (a tensor-parallel rank's TPLayout.shard), only that rank's part of each
     tensor: safetensors (and the GGUF cache) are read by slice, so a rank never holds more
-    than its shard plus, for .bin or an uncached GGUF, one full tensor at a time."""
+    than its shard plus, for .bin or an uncached GGUF, one full tensor at a time.
+    A checkpoint whose tensors fuse what the layout shards apart (Phi-3's qkv_proj and
+    gate_up_proj) is cut into the separate names first (the model class's `split_fused`),
+    then sharded: a rank then holds one full fused tensor at a time."""
+    split = _split_fused(model_config) if shard_of is not None else None
+    if split is not None:
+        yield from take_shards(split(_iter_all(path, model_config), model_config), shard_of)
+        return
+    yield from _iter_all(path, model_config, shard_of)
+
+
+def _split_fused(model_config: ModelConfig):
+    from radixlm.srt.models.registry import MODEL_ARCHS
+
+    if model_config.architecture not in MODEL_ARCHS:
+        return None
+    return getattr(MODEL_ARCHS.get(model_config.architecture), "split_fused", None)
+
+
+def _iter_all(path: str, model_config: ModelConfig, shard_of: ShardOf | None = None
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     if os.path.isdir(path):
         yield from iter_hf_weights(path, shard_of)
         return

@@ -10,14 +10,18 @@ import torch
 
 from radixlm.config import ModelConfig
 from radixlm.srt.distributed.layout import Shard
+from radixlm.srt.layers.rope_scaling import hf_rope_scaling
 from radixlm.srt.weights.gemma_config import GEMMA_ARCHS, GEMMA_MODEL_TYPES, gemma_model_config
 from radixlm.srt.weights.generation_config import model_eos_ids
 
 # Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
 ShardOf = Callable[[str], Shard | None]
 
-# Architectures with the Llama layout; Qwen2 differs only by q/k/v biases.
-HF_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM") + GEMMA_ARCHS
+def supported_architectures() -> list[str]:
+    """The architectures a config.json may name: those the model registry builds."""
+    from radixlm.srt.models.registry import MODEL_ARCHS
+
+    return MODEL_ARCHS.names()
 
 
 def _read_json(path: str) -> dict:
@@ -32,23 +36,30 @@ def hf_model_config(model_dir: str) -> ModelConfig:
     cfg = _read_json(cfg_path)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}.get(
+                                       cfg.get("model_type", ""), "")
     if (arch or GEMMA_MODEL_TYPES.get(cfg.get("model_type", ""))) in GEMMA_ARCHS:  # Gemma 2/3: own fields
         return gemma_model_config(model_dir, cfg, arch or GEMMA_MODEL_TYPES[cfg["model_type"]])
-    if arch not in HF_ARCHS:
+    supported = supported_architectures()
+    if arch not in supported:
         raise ValueError(f"{model_dir}: architecture {arch or cfg.get('model_type')!r} is not supported "
-                         f"(supported: {', '.join(HF_ARCHS)})")
+                         f"(supported: {', '.join(supported)})")
     if cfg.get("mlp_bias"):
         raise NotImplementedError(f"{model_dir}: mlp_bias=True is not supported")
 
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    # transformers >= 5 writes rope settings as `rope_parameters` (theta included);
-    # older configs use top-level `rope_theta` + `rope_scaling`.
     rope_params = dict(cfg.get("rope_parameters") or {})
     rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling is None and rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-        rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    try:
+        rope_scaling, partial_rotary = hf_rope_scaling(cfg)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: {e}") from None
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    # Phi-3 family: HF masks keys beyond `sliding_window`, which radixlm does not run for it;
+    # the context is limited so that every sequence fits inside the window (then full
+    # attention is the same thing).
+    window = cfg.get("sliding_window") if arch == "Phi3ForCausalLM" else None
+    context_limit = int(window) if window and int(window) < max_pos else None
 
     eos = model_eos_ids(cfg.get("eos_token_id"), model_dir)
 
@@ -58,7 +69,7 @@ def hf_model_config(model_dir: str) -> ModelConfig:
         num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta, rope_scaling=rope_scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_pos, partial_rotary_factor=partial_rotary, context_limit=context_limit,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, pad_token_id=cfg.get("pad_token_id"))

@@ -64,8 +64,11 @@ def test_rotary_matches_hf(scaling):
 
 
 def test_unknown_rope_scaling_rejected():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        compute_inv_freq(64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"'ntk-by-parts' is not supported \(supported: default, linear, llama3, "
+                                         r"yarn, dynamic, longrope\)"):
+        compute_inv_freq(64, 10000.0, {"rope_type": "ntk-by-parts", "factor": 2.0})
+    with pytest.raises(ValueError, match="lacks factor"):
+        compute_inv_freq(64, 10000.0, {"type": "linear"})
 
 
 def test_gated_mlp_matches_hf():

@@ -44,7 +44,9 @@ def test_legacy_rope_fields_and_defaults(tmp_path):
                       rope_scaling={"rope_type": "llama3", "factor": 8.0}, eos_token_id=[5, 6],
                       head_dim=None, tie_word_embeddings=True, architectures=["MistralForCausalLM"])
     cfg = load_model_config(d)
-    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0}
+    # transformers, too, takes a llama3 scaling's missing original length from max_position_embeddings
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0,
+                                                               "original_max_position_embeddings": 2048}
     assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16 and cfg.tie_word_embeddings
     assert cfg.eos_token_ids == (5, 6) and cfg.architecture == "MistralForCausalLM"
 
