@@ -42,6 +42,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # ---- mixture of experts (Qwen3-MoE, Mixtral; layers/moe.py). num_experts 0: every layer dense ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's gate/up rows
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # ---- end mixture of experts ----
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id` has a sparse MoE block (else its dense MLP)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % max(1, self.decoder_sparse_step) == 0)
 
     @property
     def context_len(self) -> int:

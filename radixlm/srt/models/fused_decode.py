@@ -10,6 +10,7 @@ function, so its output and KV writes are bit for bit the Python layers' (tested
 test/unit/srt/test_fused_decode.py). It runs only where that holds; anything else returns None
 and the model takes its Python layers:
 - CPU, one rank (no all-reduce between the halves), float32 or bfloat16;
+- Llama-shaped layers only (`fused_decode_supported`: not Qwen3's q/k norms nor a MoE block);
 - every linear through a native kernel that takes its weight as the Python layer would: int8
   (w8a8_int8), radixlm's bf16 panels or its float panels (not oneDNN's prepacked copy, not
   F.linear), a bias of the model dtype;
@@ -143,6 +144,8 @@ class FusedDecode:
     def _build(self, attn: CpuNativeAttention) -> native.DecodeLayers | None:
         model, dtype = self.model, self.model.dtype
         if model.tp.size != 1 or dtype not in _DTYPES or not cpu_ops.available() or not attn.native_decode:
+            return None
+        if not getattr(model, "fused_decode_supported", True):  # layers it does not compute (q/k norms, MoE)
             return None
         layers = list(model.model.layers)
         norms = [model.model.norm] + [n for layer in layers

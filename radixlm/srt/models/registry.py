@@ -8,11 +8,17 @@ from radixlm.config import ModelConfig
 from radixlm.registry import Registry
 from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from radixlm.srt.models.mixtral import MixtralForCausalLM
+from radixlm.srt.models.qwen3 import Qwen3ForCausalLM
+from radixlm.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
 MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
 MODEL_ARCHS.register("Qwen2ForCausalLM")(Qwen2ForCausalLM)
 MODEL_ARCHS.register("MistralForCausalLM")(MistralForCausalLM)
+MODEL_ARCHS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
+MODEL_ARCHS.register("Qwen3MoeForCausalLM")(Qwen3MoeForCausalLM)
+MODEL_ARCHS.register("MixtralForCausalLM")(MixtralForCausalLM)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,
