@@ -13,7 +13,8 @@ The MLP's intermediate dimension and the vocabulary are cut into contiguous rang
 differ by at most one row (1,536 and 49,152 split evenly over 2). Column-parallel weights
 (q/k/v, gate/up, the embedding, the LM head) are cut along their output rows, row-parallel
 ones (o_proj, down_proj) along their input columns; a row-parallel bias is added once, by
-rank 0, after the all-reduce.
+rank 0, after the all-reduce. A mixture-of-experts layer cuts every expert the same way (its
+gate/up rows and down_proj columns over `moe_intermediate_size`); its router is replicated.
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ top k kept (renormalised to sum to 1 where the model asks: Qwen3-MoE's `norm_top
 Mixtral always). The (token, expert) pairs are then sorted by expert, so each active expert
 sees its tokens as one contiguous block of rows: one gated-MLP forward per active expert over
 its rows, through the same `Linear`s as the dense MLP (radixlm's bf16/float panel GEMMs,
-int8 under w8a8, the SiLU * mul epilogue). Each expert's output, scaled by its routing
-weight, is added back into its tokens' rows in float32 and the sum cast to the model dtype
-once.
+int8 under w8a8, the SiLU * mul epilogue). The expert outputs are gathered back into (token,
+slot) order and each token's k outputs summed with their routing weights in float32, cast to
+the model dtype once.
 
 The router stays in the model dtype under w8a8 (SGLang leaves the gate unquantized too): a
 rounding of its logits flips which experts a token reaches, far more than it moves the
@@ -74,18 +74,20 @@ class SparseMoE(nn.Module):
         # Stable: within an expert its tokens keep their order (the GEMM sees rows as they came).
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k  # token of each (token, expert) pair, grouped by expert
-        pair_weights = weights.view(-1).index_select(0, order).unsqueeze(1)
-        grouped = x.index_select(0, tokens)  # every expert's rows contiguous, in expert order
-        out = torch.zeros((t, self.hidden_size), dtype=torch.float32, device=x.device)
+        grouped = x.index_select(0, order // self.top_k)  # every expert's rows contiguous, in expert order
+        outs = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            stop = start + n
-            y = self.experts[e].forward(grouped[start:stop])
-            out.index_add_(0, tokens[start:stop], y.float() * pair_weights[start:stop])
-            start = stop
+            if n:
+                outs[start:start + n] = self.experts[e].forward(grouped[start:start + n])
+                start += n
+        # Back to (token, slot) order by a gather, then the weighted sum over the k slots in
+        # float32: index_add_ into the tokens' rows was 100x slower on 2 busy cores (its
+        # parallel scatter waits on a descheduled thread, once per expert).
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        per_slot = outs.index_select(0, inverse).view(t, self.top_k, self.hidden_size)
+        out = torch.bmm(weights.unsqueeze(1), per_slot.float()).squeeze(1)
         return out.to(x.dtype)
 
 
