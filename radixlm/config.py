@@ -67,7 +67,9 @@ class ModelConfig:
         per key); 3,072 for SmolLM2-135M."""
         h, d = self.hidden_size, self.head_dim
         qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
-        linears = qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size
+        # A token's MLP: the dense one, or its top-k experts' (a MoE model's config may name either width).
+        mlp = self.num_experts_per_tok * self.moe_intermediate_size if self.num_experts else self.intermediate_size
+        linears = qkv + self.num_attention_heads * d * h + 3 * h * mlp
         return max(1, linears // (2 * self.num_attention_heads * d))
 
 
