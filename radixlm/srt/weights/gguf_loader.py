@@ -37,7 +37,7 @@ GGUF_ARCHS: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCau
 GGUF_ARCHS.update({"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"})
 
 
-def _gguf_moe_fields(meta: "GGUFMetadata", arch: str) -> dict[str, Any]:
+def _gguf_moe_fields(meta: "GGUFMetadata", arch: str, path: str) -> dict[str, Any]:
     """ModelConfig's expert fields of a qwen3moe file. llama.cpp runs every qwen3moe layer
     sparse and renormalises the top-k weights (its graph passes norm_w = true), so the file
     says nothing of decoder_sparse_step, mlp_only_layers or norm_topk_prob."""
@@ -47,7 +47,7 @@ def _gguf_moe_fields(meta: "GGUFMetadata", arch: str) -> dict[str, Any]:
                                                     "expert_feed_forward_length")}
     missing = [k for k, v in fields.items() if v is None]
     if missing:
-        raise ValueError(f"GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
+        raise ValueError(f"{path}: GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
     return dict(num_experts=int(fields["expert_count"]), num_experts_per_tok=int(fields["expert_used_count"]),
                 moe_intermediate_size=int(fields["expert_feed_forward_length"]),
                 norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
@@ -207,7 +207,7 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
         tie_word_embeddings="output.weight" not in meta.tensors,
         attention_bias=any(n.endswith("attn_q.bias") for n in meta.tensors),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
-        pad_token_id=None if pad is None else int(pad), **_gguf_moe_fields(meta, arch))
+        pad_token_id=None if pad is None else int(pad), **_gguf_moe_fields(meta, arch, path))
 
 
 # ---- tensor names ----
