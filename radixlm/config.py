@@ -70,6 +70,19 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+    # ---- mixture of experts (Qwen3-MoE, Mixtral; layers/moe.py). num_experts 0: every layer dense ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's gate/up rows
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # ---- end mixture of experts ----
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer `layer_id` has a sparse MoE block (else its dense MLP)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % max(1, self.decoder_sparse_step) == 0)
 
     @property
     def context_len(self) -> int:
@@ -91,7 +104,9 @@ class ModelConfig:
         per key); 3,072 for SmolLM2-135M."""
         h, d = self.hidden_size, self.head_dim
         qkv = h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d
-        linears = qkv + self.num_attention_heads * d * h + 3 * h * self.intermediate_size
+        # A token's MLP: the dense one, or its top-k experts' (a MoE model's config may name either width).
+        mlp = self.num_experts_per_tok * self.moe_intermediate_size if self.num_experts else self.intermediate_size
+        linears = qkv + self.num_attention_heads * d * h + 3 * h * mlp
         return max(1, linears // (2 * self.num_attention_heads * d))
 
 

@@ -90,3 +90,25 @@ def tiny_llama_tp_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenize
     torch.manual_seed(TINY_SEED)
     model = LlamaForCausalLM(LlamaConfig(**TINY_TP_SHAPE, rope_theta=10000.0)).to(torch.float32)
     return _save_tiny(model, smollm2_tokenizer, tmp_path_factory.mktemp("tiny_llama_tp"))
+
+
+# ---- Qwen3 and the mixture-of-experts families (test/support/moe_models.py) ----
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> str:
+    """A random 3-layer Qwen3ForCausalLM (q/k norms, head_dim 32 != 96 / 4, tied embeddings)."""
+    from test.support.moe_models import qwen3_dir
+    return qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> str:
+    """A random 4-layer Qwen3MoeForCausalLM: 8 experts, top 4, norm_topk_prob, layer 1 dense."""
+    from test.support.moe_models import qwen3_moe_dir
+    return qwen3_moe_dir(tmp_path_factory.mktemp("tiny_qwen3_moe"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> str:
+    """A random 2-layer MixtralForCausalLM: 4 experts, top 2."""
+    from test.support.moe_models import mixtral_dir
+    return mixtral_dir(tmp_path_factory.mktemp("tiny_mixtral"), smollm2_tokenizer)

@@ -13,10 +13,12 @@ The MLP's intermediate dimension and the vocabulary are cut into contiguous rang
 differ by at most one row (1,536 and 49,152 split evenly over 2). Column-parallel weights
 (q/k/v, gate/up, the embedding, the LM head) are cut along their output rows, row-parallel
 ones (o_proj, down_proj) along their input columns; a row-parallel bias is added once, by
-rank 0, after the all-reduce.
+rank 0, after the all-reduce. A mixture-of-experts layer cuts every expert the same way (its
+gate/up rows and down_proj columns over `moe_intermediate_size`); its router is replicated.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from radixlm.config import ModelConfig
@@ -93,6 +95,10 @@ class TPLayout:
     intermediate: Span
     vocab: Span
     vocab_spans: tuple[Span, ...]  # every rank's vocabulary range (gathering the logits)
+    # Mixture of experts: every expert's intermediate rows [start, stop) on this rank (the
+    # router replicated), as the dense MLP's; its down_proj's output is all-reduced the same way.
+    moe_intermediate_size: int = 0
+    moe_intermediate: Span = Span(0, 0)
 
     @staticmethod
     def build(cfg: ModelConfig, tp_size: int, tp_rank: int) -> "TPLayout":
@@ -104,9 +110,16 @@ class TPLayout:
                 raise ValueError(f"tp_size {tp_size} is larger than the model's {what} ({total})")
         vocab = even_spans(cfg.vocab_size, tp_size)
         q, kv = heads[tp_rank]
+        moe = Span(0, 0)
+        if cfg.num_experts > 0:
+            if cfg.moe_intermediate_size < tp_size:
+                raise ValueError(f"tp_size {tp_size} is larger than the model's expert intermediate size "
+                                 f"({cfg.moe_intermediate_size})")
+            moe = even_spans(cfg.moe_intermediate_size, tp_size)[tp_rank]
         return TPLayout(tp_size, tp_rank, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.intermediate_size, cfg.vocab_size, q, kv,
-                        even_spans(cfg.intermediate_size, tp_size)[tp_rank], vocab[tp_rank], tuple(vocab))
+                        even_spans(cfg.intermediate_size, tp_size)[tp_rank], vocab[tp_rank], tuple(vocab),
+                        cfg.moe_intermediate_size, moe)
 
     @staticmethod
     def single(cfg: ModelConfig) -> "TPLayout":
@@ -117,7 +130,8 @@ class TPLayout:
         import dataclasses
         return dataclasses.replace(cfg, num_attention_heads=self.q_heads.size,
                                    num_key_value_heads=self.kv_heads.size,
-                                   intermediate_size=self.intermediate.size, vocab_size=self.vocab.size)
+                                   intermediate_size=self.intermediate.size, vocab_size=self.vocab.size,
+                                   moe_intermediate_size=self.moe_intermediate.size)
 
     def shard(self, name: str) -> Shard | None:
         """The part of Hugging Face tensor `name` this rank keeps; None: all of it (replicated)."""
@@ -125,6 +139,10 @@ class TPLayout:
             return None
         d = self.head_dim
         prefix, _, leaf = name.rpartition(".")
+        expert = _EXPERT_PROJ.search(prefix)
+        if expert is not None:  # an expert's gate/up rows or down_proj columns (no biases)
+            span = self.moe_intermediate
+            return Shard(0 if expert.group(1) in _EXPERT_IN else 1, span.start, span.stop, self.moe_intermediate_size)
         q = Shard(0, self.q_heads.start * d, self.q_heads.stop * d, self.num_heads * d)
         kv = Shard(0, self.kv_heads.start * d, self.kv_heads.stop * d, self.num_kv_heads * d)
         inter = Shard(0, self.intermediate.start, self.intermediate.stop, self.intermediate_size)
@@ -142,3 +160,8 @@ class TPLayout:
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return Shard(0, self.vocab.start, self.vocab.stop, self.vocab_size)
         return None
+
+
+# An expert's projections: Qwen3-MoE's gate_proj/up_proj/down_proj, Mixtral's w1 (gate), w3 (up), w2 (down).
+_EXPERT_PROJ = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT_IN = ("gate_proj", "up_proj", "w1", "w3")  # column-parallel (their output rows cut)

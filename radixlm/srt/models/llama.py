@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Rotate q and k together: they are adjacent head ranges of the fused output.
-        qk = rope.apply(qkv[:, :self.num_heads + self.num_kv_heads])
+        qk = rope.apply(self.before_rope(qkv[:, :self.num_heads + self.num_kv_heads]))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
         if rows is None:
@@ -68,15 +68,26 @@ class LlamaAttention(nn.Module):
                 return x[:0]
         return self.tp.all_reduce(self.o_proj.forward(o.reshape(o.shape[0], self.q_size)))
 
+    def before_rope(self, qk: torch.Tensor) -> torch.Tensor:
+        """[T, heads + kv_heads, head_dim] q and k as they enter RoPE (Qwen3 normalises them here)."""
+        return qk
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPContext) -> None:
         super().__init__()
         self.tp = tp.comm
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_id, dtype, tp)
+        self.self_attn = self.make_attention(config, layer_id, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.mlp = self.make_mlp(config, layer_id, dtype)
+
+    # Where a family's layer differs (Qwen3's q/k norms, a sparse MoE block), its subclass says so.
+    def make_attention(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, tp: TPContext) -> LlamaAttention:
+        return LlamaAttention(config, layer_id, dtype, tp)
+
+    def make_mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: BatchRope,
                 fb: ForwardBatch, attn: AttentionBackend,
@@ -99,14 +110,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPContext) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TPContext,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(config, i, dtype, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # The native layer loop (fused_decode.py) computes exactly LlamaDecoderLayer; a family whose
+    # layers do more (q/k norms, MoE) says False and runs its Python layers.
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPContext | None = None) -> None:
         super().__init__()
         self.config = config
@@ -114,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         # This rank's shapes: its heads, MLP rows and vocabulary rows (all of them on one rank).
         self.local_config = local = self.tp.layout.local_config(config)
         self.dtype = dtype
-        self.model = LlamaModel(local, dtype, self.tp)
+        self.model = LlamaModel(local, dtype, self.tp, self.layer_cls)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.rotary_dim)
         if config.tie_word_embeddings:
@@ -147,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         if self.quantization is None:
             return
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and module.quantization is not None:  # a MoE router stays float
                 module.int8_weight()
         if self.lm_head is None:
             self._tied_head_int8_weight()

@@ -10,6 +10,9 @@ from radixlm.srt.distributed.context import TPContext
 from radixlm.srt.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from radixlm.srt.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from radixlm.srt.models.phi3 import Phi3ForCausalLM
+from radixlm.srt.models.mixtral import MixtralForCausalLM
+from radixlm.srt.models.qwen3 import Qwen3ForCausalLM
+from radixlm.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_ARCHS: Registry[type[nn.Module]] = Registry("model architecture")
 MODEL_ARCHS.register("LlamaForCausalLM")(LlamaForCausalLM)
@@ -19,6 +22,9 @@ MODEL_ARCHS.register("Gemma3ForCausalLM")(Gemma3ForCausalLM)
 MODEL_ARCHS.register("Gemma3ForConditionalGeneration")(Gemma3ForConditionalGeneration)
 MODEL_ARCHS.register("Gemma2ForCausalLM")(Gemma2ForCausalLM)
 MODEL_ARCHS.register("Phi3ForCausalLM")(Phi3ForCausalLM)
+MODEL_ARCHS.register("Qwen3ForCausalLM")(Qwen3ForCausalLM)
+MODEL_ARCHS.register("Qwen3MoeForCausalLM")(Qwen3MoeForCausalLM)
+MODEL_ARCHS.register("MixtralForCausalLM")(MixtralForCausalLM)
 
 
 def build_model(model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device,

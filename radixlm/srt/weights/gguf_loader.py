@@ -39,6 +39,41 @@ GGUF_ARCHS.update(GEMMA_GGUF_ARCHS)  # Gemma 2/3: their fields from gemma_config
 # Tensors that are rope parameters, not weights: read into the config (gguf_rope).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _F32 = 0  # GGML type id of float32
+# ---- Qwen3 and Qwen3-MoE (llama.cpp's qwen3 / qwen3moe) ----
+GGUF_ARCHS.update({"qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"})
+
+
+def _gguf_moe_fields(meta: "GGUFMetadata", arch: str, path: str) -> dict[str, Any]:
+    """ModelConfig's expert fields of a qwen3moe file. llama.cpp runs every qwen3moe layer
+    sparse and renormalises the top-k weights (its graph passes norm_w = true), so the file
+    says nothing of decoder_sparse_step, mlp_only_layers or norm_topk_prob."""
+    if arch != "qwen3moe":
+        return {}
+    fields = {k: meta.get(f"{arch}.{k}") for k in ("expert_count", "expert_used_count",
+                                                    "expert_feed_forward_length")}
+    missing = [k for k, v in fields.items() if v is None]
+    if missing:
+        raise ValueError(f"{path}: GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
+    return dict(num_experts=int(fields["expert_count"]), num_experts_per_tok=int(fields["expert_used_count"]),
+                moe_intermediate_size=int(fields["expert_feed_forward_length"]),
+                norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
+
+
+# Experts stored stacked, [experts, rows, cols] in numpy order: one Hugging Face tensor per expert.
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_STACKED_RE = re.compile(r"^blk\.(\d+)\.(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight$")
+
+
+def split_stacked_experts(gguf_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A stacked expert tensor -> its experts under their Hugging Face names (copies: a saved
+    file must not share storage); None for any other tensor."""
+    m = _STACKED_RE.match(gguf_name)
+    if m is None:
+        return None
+    layer, proj = m.group(1), _STACKED_EXPERTS[m.group(2)]
+    return [(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", tensor[e].clone())
+            for e in range(tensor.shape[0])]
+# ---- end Qwen3 / Qwen3-MoE ----
 
 
 @dataclass
@@ -190,7 +225,7 @@ def gguf_model_config(path: str, meta: GGUFMetadata | None = None) -> ModelConfi
         tie_word_embeddings="output.weight" not in meta.tensors,
         attention_bias=any(n.endswith("attn_q.bias") for n in meta.tensors),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=tuple(eos),
-        pad_token_id=None if pad is None else int(pad))
+        pad_token_id=None if pad is None else int(pad), **_gguf_moe_fields(meta, arch, path))
     if arch in GEMMA_GGUF_ARCHS:  # Gemma 2/3
         config = gemma_gguf_config(config, arch, lambda key: meta.get(f"{arch}.{key}"))
     return config
@@ -237,6 +272,8 @@ _BLOCK_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_BLOCK_NAMES.update({"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3, qwen3moe
+                     "ffn_gate_inp": "mlp.gate"})  # the router of a qwen3moe block
 # Gemma 2/3: "ffn_norm" is the pre-feed-forward norm, and three more norms.
 _GEMMA_BLOCK_NAMES = dict(_BLOCK_NAMES, ffn_norm="pre_feedforward_layernorm",
                           post_attention_norm="post_attention_layernorm", post_ffw_norm="post_feedforward_layernorm",
@@ -286,7 +323,8 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
     for t in reader.tensors:
         if t.name in ROPE_TENSORS:
             continue  # rope parameters, in the config (gguf_rope)
-        name = hf_name(t.name, arch)
+        stacked = _STACKED_RE.match(t.name) is not None
+        name = "" if stacked else hf_name(t.name, arch)
         arr = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; numpy (and HF) order is the reverse.
         arr = arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
@@ -295,6 +333,9 @@ def iter_gguf_weights(path: str, config: ModelConfig) -> Iterator[tuple[str, tor
         if not arr.flags.writeable:
             arr = arr.copy()  # F32 tensors come back as views of the read-only memmap
         tensor = torch.from_numpy(arr)
+        if stacked:
+            yield from split_stacked_experts(t.name, tensor) or ()
+            continue
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = unpermute_rope_rows(tensor, config.num_attention_heads)
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):

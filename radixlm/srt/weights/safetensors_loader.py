@@ -4,7 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -16,6 +16,39 @@ from radixlm.srt.weights.generation_config import model_eos_ids
 
 # Hugging Face name -> the part of the tensor to read (None: all of it); see TPLayout.shard.
 ShardOf = Callable[[str], Shard | None]
+
+# ---- Qwen3 (per-head q/k norms) and the mixture-of-experts families ----
+MOE_HF_ARCHS = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MOE_MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def moe_fields(cfg: dict, arch: str, where: str) -> dict[str, Any]:
+    """The ModelConfig fields of the Qwen3 and MoE families read from config.json (empty for
+    the others); ValueError for what these models do not implement."""
+    if arch not in ("Qwen3ForCausalLM", *MOE_HF_ARCHS):
+        return {}
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: {arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+    if arch.startswith("Qwen3") and cfg.get("use_sliding_window"):
+        raise ValueError(f"{where}: {arch} with use_sliding_window=true is not supported")
+    if arch not in MOE_HF_ARCHS:
+        return {}
+    # Qwen3-MoE checkpoints say num_experts; Mixtral (and transformers' own save) num_local_experts.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: {arch} needs num_experts >= 1 and 1 <= num_experts_per_tok <= num_experts "
+                         f"(got {experts} and {top_k})")
+    if arch == "MixtralForCausalLM":  # every layer sparse, experts as wide as intermediate_size, top-k renormalised
+        return dict(num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+                mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()))
+# ---- end Qwen3 / MoE ----
+
 
 def supported_architectures() -> list[str]:
     """The architectures a config.json may name: those the model registry builds."""
@@ -36,7 +69,8 @@ def hf_model_config(model_dir: str) -> ModelConfig:
     cfg = _read_json(cfg_path)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}.get(
+                                   "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM",
+                                   **_MOE_MODEL_TYPES}.get(
                                        cfg.get("model_type", ""), "")
     if (arch or GEMMA_MODEL_TYPES.get(cfg.get("model_type", ""))) in GEMMA_ARCHS:  # Gemma 2/3: own fields
         return gemma_model_config(model_dir, cfg, arch or GEMMA_MODEL_TYPES[cfg["model_type"]])
@@ -72,7 +106,8 @@ def hf_model_config(model_dir: str) -> ModelConfig:
         max_position_embeddings=max_pos, partial_rotary_factor=partial_rotary, context_limit=context_limit,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, pad_token_id=cfg.get("pad_token_id"))
+        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, pad_token_id=cfg.get("pad_token_id"),
+        **moe_fields(cfg, arch, model_dir))
 
 
 def weight_files(model_dir: str) -> list[str]:
