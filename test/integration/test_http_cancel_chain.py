@@ -44,11 +44,7 @@ def http(server):
 
 
 def wait_front(server, key: str, n: int, what: str) -> None:
-    """Until the front end's `key` place counter is n. (On a build without these counters,
-    issue 17's base, a fixed pause instead, so the checks after it fail on the behaviour.)"""
-    if "front_end" not in server_info(server):
-        time.sleep(1.0)
-        return
+    """Until the front end's `key` place counter is n."""
     wait_info(server, lambda i: i["front_end"][key] == n, what)
 
 
