@@ -305,7 +305,7 @@ def test_parent_death_leaves_no_orphans_or_ipc_files(tiny_llama_dir, tmp_path):
             return False
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # a hang detector: children exit at once, a busy machine is slow
     while time.time() < deadline and (any(alive(p) for p in info["children"]) or os.path.isdir(info["ipc"])):
         time.sleep(0.1)
     assert not any(alive(p) for p in info["children"]), "orphaned child processes"

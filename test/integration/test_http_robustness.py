@@ -116,7 +116,7 @@ def test_hostile_inputs_while_other_streams_run(server, http):
     ok = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 48,
                                                                                "ignore_eos": True, "temperature": 0}})
     assert ok.json()["output_ids"] == streams[0][1][-2]["output_ids"]
-    assert_idle(server, within=5.0)
+    assert_idle(server, within=60.0)
     assert "Traceback" not in server.log()
 
 
