@@ -1,4 +1,4 @@
-"""The caller's side of the cancel chain through the Engine (issue 17, docs/cancel_chain.md):
+"""The caller's side of the cancel chain through the Engine (docs/cancel_chain.md):
 families by identity, the weight-lock wait as a place, one-step duplicate checks, shutdown
 and interrupted callers, pause -> weight update -> continue, tombstones, and the caller
 answered at once (shown with the scheduler process frozen by SIGSTOP, so nothing here

@@ -1,4 +1,4 @@
-"""The caller's side of the cancel chain over HTTP (issue 17; the Engine side is
+"""The caller's side of the cancel chain over HTTP (the Engine side is
 test_cancel_chain.py): `/abort_request` and client disconnects reach a request's own family
 only, the weight-lock wait, duplicates behind the lock, pause -> update -> continue,
 tombstones and counts, answers while the scheduler is frozen, and SIGTERM answering every

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the HTTP routes over their OpenAPI schema (issue 18).
+"""Property-based fuzzing of the HTTP routes over their OpenAPI schema.
 
 Bodies are drawn from the request schemas the server publishes in /openapi.json (so the
 schema itself is under test: a route without a declared body would not be fuzzed), with any
