@@ -83,7 +83,7 @@ def front_end_accepted(info: dict, t0: dict[str, float]) -> list[float]:
 
 def _cancels(info: dict, t0: dict[str, float]):
     """(abort time, KV release, last launch holding it) of the rids of `t0` (scheduler rids are rid#n)."""
-    for sched_rid, _sent, released, *rest in info.get("recent_cancels", []):  # (absent before issue 17)
+    for sched_rid, _sent, released, *rest in info.get("recent_cancels", []):  # (absent on older servers)
         rid = sched_rid.rsplit("#", 1)[0]
         if rid in t0:
             yield t0[rid], released, (rest[0] if rest else None)

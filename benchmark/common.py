@@ -12,7 +12,10 @@ import tempfile
 import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-PEERS_DIR = os.environ.get("RADIXLM_PEERS_DIR", "/work/peers")  # venvs and converted checkpoints live here
+RESULTS_DIR = os.path.join(BENCH_DIR, "results")
+# the peers' venvs and converted checkpoints: under the user's cache directory unless moved
+PEERS_DIR = os.environ.get("RADIXLM_PEERS_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "radixlm", "peers")
 PEER_NAMES = ("hf", "vllm", "llamacpp")
 PEER_ENGINES = {"hf": "hf-transformers", "vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 
@@ -46,6 +49,45 @@ def machine_info() -> dict:
     return info
 
 
+def cpu_kind(machine: dict | None = None) -> str:
+    """The kind of processor a result was measured on, as result file names carry it: zen4 (AMD
+    with AVX-512 BF16), zen3 (AMD with AVX2 only), amx (Intel with AMX tiles), avx512 or avx2
+    (other x86), else the machine's architecture. Results of different kinds are never compared."""
+    m = machine if machine is not None else machine_info()
+    isa, cpu = set(m.get("isa") or []), str(m.get("cpu") or "")
+    if "amx_tile" in isa:
+        return "amx"
+    if "AMD" in cpu:
+        return "zen4" if "avx512_bf16" in isa else "zen3"
+    if "avx512f" in isa:
+        return "avx512"
+    if "avx2" in isa:
+        return "avx2"
+    return platform.machine() or "unknown"
+
+
+def results_path(name: str, machine: dict | None = None) -> str:
+    """benchmark/results/<name>_<cpu kind>.json: one file per workload and processor kind, so a
+    newer run of the same workload on the same kind of CPU replaces the older one."""
+    return os.path.join(RESULTS_DIR, f"{name}_{cpu_kind(machine)}.json")
+
+
+def portable(obj):
+    """`obj` with this machine's paths made portable (home directory -> ~, an installed
+    package's path from site-packages/ on), so result files name no machine's directories."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v) for v in obj]
+    if isinstance(obj, str) and os.sep in obj:
+        if "site-packages" + os.sep in obj:
+            obj = obj[obj.index("site-packages" + os.sep):]
+        home = os.path.expanduser("~")
+        if home not in ("", os.sep) and obj.startswith(home + os.sep):
+            obj = "~" + obj[len(home):]
+    return obj
+
+
 def load_hf(model_path: str):
     """transformers on the same GGUF (dequantised to float32, as HF does for GGUF)."""
     import torch
@@ -75,8 +117,13 @@ def hf_generate(model, prompts: list[list[int]], output_len: int, batch_size: in
 
 
 def emit(result: dict, out_path: str | None, quiet: bool = False) -> None:
-    """Print the JSON (unless quiet); with out_path also write it (with the machine description)."""
+    """Print the JSON (unless quiet); with out_path also write it (with the machine description).
+    `{cpu}` in out_path becomes this processor's kind (cpu_kind): `--out
+    benchmark/results/prefill_bf16_{cpu}.json` keeps one file per workload and kind of CPU."""
     result.setdefault("machine", machine_info())
+    result = portable(result)
+    if out_path:
+        out_path = out_path.replace("{cpu}", cpu_kind(result["machine"]))
     text = json.dumps(result, indent=2)
     if not quiet:
         print(text)

@@ -1,6 +1,6 @@
 """A fleet behind the SGLang Model Gateway: routing policy vs prefix-cache hits; stop-path latency.
 
-    python benchmark/fleet.py [--model-path DIR] [--workers 2] [--sessions 8 --turns 4]
+    python benchmark/fleet.py [--model-path DIR] [--workers 2] [--sessions N --turns N]
                               [--policies cache_aware,round_robin,builtin] [--out F.json] [radixlm serve args...]
 
 Starts --workers `radixlm serve` replicas on loopback (the CPU cores split between them, as

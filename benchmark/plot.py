@@ -95,8 +95,8 @@ def load(paths: list[str]) -> list[tuple[str, dict]]:
 
 
 def kind_of(isa) -> str:
-    """amx, avx512 or avx2: an AMX CPU's bf16 kernels run on tiles (docs/roofline.md, session
-    29), so its results are kept apart from the AVX-512 ones."""
+    """amx, avx512 or avx2: an AMX CPU's bf16 kernels run on tiles (docs/performance.md),
+    so its results are kept apart from the AVX-512 ones."""
     return "amx" if "amx_bf16" in isa else "avx512" if "avx512f" in isa else "avx2"
 
 

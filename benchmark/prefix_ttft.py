@@ -5,7 +5,7 @@
 Uncached: the radix cache is flushed, then prefix + suffix is prefilled whole. Cached: the
 prefix was computed by an earlier request (radix hit), only the new suffix is prefilled.
 TTFT = wall time of a request with max_new_tokens=1 through the in-process Engine (prefill +
-first token + the engine's round trip). Medians over --repeats; the target (issue 10) is
+first token + the engine's round trip). Medians over --repeats; the target is
 cached <= uncached / 10.
 """
 from __future__ import annotations

@@ -3,8 +3,10 @@
     python examples/rl_rollout.py [--model-path DIR_OR_GGUF] [--steps 2]
 
 Each step: generate rollouts with logprobs → "train" (perturb a few weights) → push the
-weights with update_weights_from_tensor → generate again; then start a batch, abort it
-mid-flight with abort_all, and resume every partial rollout from the cached prefix.
+weights with update_weights_from_tensor → generate again; then start a batch of streamed
+rollouts, abort it with abort_all once every rollout has produced a token (however slow the
+machine, each partial rollout has something in it), and resume every partial rollout from the
+cached prefix: its prompt and partial output come back from the prefix cache.
 """
 from __future__ import annotations
 
@@ -47,25 +49,43 @@ def main() -> None:
             print(f"  pushed {res['num_tensors']} tensor(s) -> version {res['weight_version']}")
 
         # partial rollouts: abort mid-batch, then continue each from where it stopped
-        long_params = {"max_new_tokens": 4 * args.max_new_tokens, "temperature": 0}
-
-        async def rollout():
-            tasks = [asyncio.ensure_future(engine.async_generate(input_ids=i, sampling_params=long_params))
-                     for i in ids]
-            await asyncio.sleep(0.5)
-            engine.abort_request(abort_all=True)
-            return await asyncio.gather(*tasks)
-
+        # (ignore_eos: every rollout is still running when the abort comes)
+        long_params = {"max_new_tokens": 4 * args.max_new_tokens, "temperature": 0, "ignore_eos": True}
         t0 = time.perf_counter()
-        partial = asyncio.run(rollout())
+        partial = asyncio.run(rollout_then_abort(engine, ids, long_params))
         resumed = engine.generate(
-            input_ids=[i + o["output_ids"] for i, o in zip(ids, partial)],
-            sampling_params=[{**long_params, "max_new_tokens": long_params["max_new_tokens"] - len(o["output_ids"])}
-                             for o in partial])
-        for o, r in zip(partial, resumed):
-            print(f"  partial {len(o['output_ids'])} tokens ({o['meta_info']['finish_reason']['type']}), "
-                  f"resumed +{len(r['output_ids'])} with {r['meta_info']['cached_tokens']} cached tokens")
+            input_ids=[i + out_ids for i, (out_ids, _) in zip(ids, partial)],
+            sampling_params=[{**long_params, "max_new_tokens": long_params["max_new_tokens"] - len(out_ids)}
+                             for out_ids, _ in partial])
+        for prompt, (out_ids, reason), r in zip(ids, partial, resumed):
+            print(f"  partial {len(out_ids)} tokens ({reason}), resumed +{len(r['output_ids'])} with "
+                  f"{r['meta_info']['cached_tokens']} of {len(prompt) + len(out_ids)} prompt tokens cached")
         print(f"abort + resume took {time.perf_counter() - t0:.2f} s")
+
+
+async def rollout_then_abort(engine: Engine, ids: list[list[int]], params: dict) -> list[tuple[list[int], str]]:
+    """Stream one rollout per prompt; abort them all once each has produced a token. Returns
+    each rollout's output ids and finish reason."""
+    first_token = [asyncio.Event() for _ in ids]
+
+    async def one(k: int, prompt: list[int]) -> tuple[list[int], str]:
+        out_ids: list[int] = []
+        reason = "none"
+        try:
+            async for chunk in await engine.async_generate(input_ids=prompt, sampling_params=params, stream=True):
+                out_ids += chunk["output_ids"]
+                if out_ids:
+                    first_token[k].set()
+                if chunk["meta_info"].get("finish_reason"):
+                    reason = chunk["meta_info"]["finish_reason"]["type"]
+        finally:
+            first_token[k].set()  # ended without a token: nothing to wait for
+        return out_ids, reason
+
+    tasks = [asyncio.ensure_future(one(k, prompt)) for k, prompt in enumerate(ids)]
+    await asyncio.gather(*(e.wait() for e in first_token))
+    engine.abort_request(abort_all=True)
+    return list(await asyncio.gather(*tasks))
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ class ServerArgs:
     log_level: str = _opt("logging level", choices=("debug", "info", "warning", "error"), default="warning")
     host: str = _opt("HTTP host", default="127.0.0.1")
     port: int = _opt("HTTP port", default=30000)
-    # ---- security and limits (README "Security and limits"; radixlm/validation.py) ----
+    # ---- security and limits (docs/serving.md "Security and limits"; radixlm/validation.py) ----
     api_key: str | None = _opt("require `Authorization: Bearer <key>` (or x-api-key) on every route but "
                                "/health* and /metrics", default=None)
     admin_api_key: str | None = _opt("key for the control routes (pause, weights, memory, flush, abort); "

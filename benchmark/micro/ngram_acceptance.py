@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CODE_FILES = ["radixlm/scheduler/policy.py", "radixlm/scheduler/retract.py", "radixlm/radix_cache/eviction.py",
               "radixlm/speculative/ngram_index.py", "radixlm/scheduler/batch.py", "radixlm/hicache/host_pool.py"]
 DOC_FILES = ["docs/architecture.md", "radixlm/radix_cache/README.md", "radixlm/hicache/README.md",
-             "radixlm/kernels/README.md", "docs/roofline.md", "README.md"]
+             "radixlm/kernels/README.md", "docs/performance.md", "README.md"]
 MAX_CHARS = 6000  # keeps every prompt within a couple of thousand tokens
 
 

@@ -1,4 +1,4 @@
-"""This machine's limits, for docs/roofline.md: the core clock, per-core and all-core peak
+"""This machine's limits, for docs/performance.md: the core clock, per-core and all-core peak
 multiply-accumulates per second in each instruction form radixlm's kernels use (fp32 FMA on
 256/512-bit vectors, int8 dots as the AVX2 sign trick or AVX512-VNNI, AVX512-BF16 dots, AMX
 bf16 tile products) and in the shape of the bf16 and w8a8 GEMMs' micro-kernels (their loads,

@@ -1,4 +1,4 @@
-// The machine's limits for docs/roofline.md, measured by benchmark/micro/roofline.py:
+// The machine's limits for docs/performance.md, measured by benchmark/micro/roofline.py:
 // per-core peak multiply-accumulates in each instruction form the kernels use, the clock,
 // and DRAM read bandwidth. Each peak loop runs independent accumulator chains (more than
 // latency x pipes), so it measures throughput, not latency. Built with -O3 -march=native.
@@ -13,7 +13,7 @@ extern "C" {
 
 // Dependent 64-bit multiplies, 3 cycles each on the x86 cores of this project's hosts (Zen 3-4,
 // Sapphire Rapids): cycles per iteration x iterations / seconds is the core clock. (A chain of
-// `add $1` read 6.1 GHz on session 29's AMX host, which runs such adds faster than one a cycle.)
+// `add $1` read 6.1 GHz on a Xeon AMX host, which runs such adds faster than one a cycle.)
 int64_t rl_clock(int64_t iters) {
   int64_t x = 1;
   const int64_t one = 1;

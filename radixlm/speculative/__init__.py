@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts (issue 20): drafting, verification, adaptive length.
+"""Speculative decoding with n-gram drafts: drafting, verification, adaptive length.
 
 The engine runs them through scheduler/speculation.py and srt/model_runner/verify.py
 (docs/speculative.md).

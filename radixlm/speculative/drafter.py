@@ -1,7 +1,7 @@
 """N-gram drafter: up to `num_draft_tokens` draft ids per request, from its own context
 (prompt lookup) or from the index of recent requests' sequences.
 
-The scheduler (next session's integration, see README.md) calls `propose` once per decode step
+The scheduler (see README.md) calls `propose` once per decode step
 per row and `on_finish` once per finished request; nothing here holds per-request state, so
 abort and retraction have nothing to clean up in the drafter (the draft's KV slots are the
 cache manager's business).

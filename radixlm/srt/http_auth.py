@@ -1,6 +1,6 @@
 """Who may call what: API keys, the control routes' admin key, and browser-origin checks.
 
-Levels (as SGLang groups its routes; README "Security and limits"):
+Levels (as SGLang groups its routes; docs/serving.md "Security and limits"):
 - open: /health, /health_generate, /metrics (probes and scrapers carry no secrets);
 - normal: everything else that reads or generates; needs --api-key when one is set
   (the admin key works too);

@@ -1,4 +1,4 @@
-"""On CUDA: the overlap scheduler's forward stream and copy-done event (issue 5).
+"""On CUDA: the overlap scheduler's forward stream and copy-done event.
 
 - launch() returns while the GPU is still busy: the forward of batch N and of batch N+1
   (whose inputs name N's rows) are both queued behind a sleep on the forward stream before

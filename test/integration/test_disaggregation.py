@@ -253,5 +253,5 @@ def test_a_killed_prefill_server_ends_everything_on_the_decode_side(pd):
     assert r.status_code == 503, r.text
     assert "timed out" in r.text and TIMEOUT_S - 1 <= waited < TIMEOUT_S + 30
     assert pd.decode.proc.poll() is None
-    assert_idle(pd.decode, within=5)
+    assert_idle(pd.decode, within=60)
     assert pd.transfer("decode")["rooms_timed_out"] >= 1

@@ -157,7 +157,7 @@ def test_token_ids_logprob_and_sglang_fields(engine, hf_model):
 
 
 def test_input_logprobs_from_start_survive_a_cached_prefix(engine, hf_model):
-    """Issue 18: a 7-token prompt, logprob_start_len=1, its first token cached: every input
+    """A 7-token prompt, logprob_start_len=1, its first token cached: every input
     logprob from token 1 is returned and equals Hugging Face's."""
     prompt = [4321, 17, 230, 5, 901, 44, 3]
     engine.generate(input_ids=prompt[:1] + [77], sampling_params={"max_new_tokens": 1})  # caches prompt[:1]
@@ -179,7 +179,7 @@ def test_input_logprobs_from_start_survive_a_cached_prefix(engine, hf_model):
     {"input_ids": [1, 2], "sampling_params": {"top_p": 1.5}},
     {"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}},
     {"input_ids": [1, 2, 10**9]},
-    # issue 18: these crashed the scheduler or hung the detokenizer
+    # these once crashed the scheduler or hung the detokenizer
     {"input_ids": [1, 2], "sampling_params": {"seed": 1.5}},
     {"input_ids": [1, 2], "sampling_params": {"seed": "abc"}},
     {"input_ids": [1, 2], "sampling_params": {"skip_special_tokens": "no"}},
@@ -330,7 +330,7 @@ def test_parent_death_leaves_no_orphans_or_ipc_files(tiny_llama_dir, tmp_path):
             return False
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # a hang detector: children exit at once, a busy machine is slow
     while time.time() < deadline and (any(alive(p) for p in info["children"]) or os.path.isdir(info["ipc"])):
         time.sleep(0.1)
     assert not any(alive(p) for p in info["children"]), "orphaned child processes"

@@ -1,4 +1,4 @@
-"""Issue 4's abort matrix over HTTP: every state a request can be in (semantics §1) × every
+"""The abort matrix over HTTP: every state a request can be in (semantics §1) × every
 HTTP way to stop it (`POST /abort_request` for a streaming and a non-streaming request, and the
 client closing the socket of either), on a real server with the tiny model, overlap off and on.
 

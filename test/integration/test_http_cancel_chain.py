@@ -1,4 +1,4 @@
-"""The caller's side of the cancel chain over HTTP (issue 17; the Engine side is
+"""The caller's side of the cancel chain over HTTP (the Engine side is
 test_cancel_chain.py): `/abort_request` and client disconnects reach a request's own family
 only, the weight-lock wait, duplicates behind the lock, pause -> update -> continue,
 tombstones and counts, answers while the scheduler is frozen, and SIGTERM answering every
@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -44,11 +43,7 @@ def http(server):
 
 
 def wait_front(server, key: str, n: int, what: str) -> None:
-    """Until the front end's `key` place counter is n. (On a build without these counters,
-    issue 17's base, a fixed pause instead, so the checks after it fail on the behaviour.)"""
-    if "front_end" not in server_info(server):
-        time.sleep(1.0)
-        return
+    """Until the front end's `key` place counter is n."""
     wait_info(server, lambda i: i["front_end"][key] == n, what)
 
 

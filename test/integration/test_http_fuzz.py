@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the HTTP routes over their OpenAPI schema (issue 18).
+"""Property-based fuzzing of the HTTP routes over their OpenAPI schema.
 
 Bodies are drawn from the request schemas the server publishes in /openapi.json (so the
 schema itself is under test: a route without a declared body would not be fuzzed), with any
@@ -141,5 +141,5 @@ def test_fuzz_routes_from_the_openapi_schema(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert httpx.get(server.base + "/health").status_code == 200
     httpx.post(server.base + "/abort_request", json={"abort_all": True})
-    assert_idle(server, within=10.0)
+    assert_idle(server, within=60.0)
     assert "Traceback" not in server.log(), server.log()[-3000:]

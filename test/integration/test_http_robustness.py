@@ -1,4 +1,4 @@
-"""Issue 18 over HTTP, on a `radixlm serve` with --api-key and --admin-api-key: the inputs that
+"""Bad input over HTTP, on a `radixlm serve` with --api-key and --admin-api-key: the inputs that
 used to crash or hang the server (each sent while other streams run, which must finish),
 typed 400s, limits (body size, slow clients, n, logprobs, weights, client chat templates),
 authentication (raw HTTP and the official openai client) and browser-origin checks."""
@@ -45,7 +45,7 @@ def _deep_schema(levels: int) -> str:
     return '{"type":"object","properties":{"a":' * (levels // 2) + '{"type":"object"}' + "}}" * (levels // 2)
 
 
-# (path, body, expected status): the crash and hang inputs of issue 18, then typed 400s
+# (path, body, expected status): inputs that once crashed or hung it, then typed 400s
 HOSTILE = [
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "top_p": 1e-300}, 200),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "top_p": 1e-40, "temperature": 1.0, "top_k": 5}, 200),
@@ -116,7 +116,7 @@ def test_hostile_inputs_while_other_streams_run(server, http):
     ok = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 48,
                                                                                "ignore_eos": True, "temperature": 0}})
     assert ok.json()["output_ids"] == streams[0][1][-2]["output_ids"]
-    assert_idle(server, within=5.0)
+    assert_idle(server, within=60.0)
     assert "Traceback" not in server.log()
 
 

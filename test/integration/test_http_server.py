@@ -292,7 +292,7 @@ def test_rl_endpoints(http):
     assert bad.status_code == 400 and "shape mismatch" in bad.json()["error"]["message"]
     assert http.post("/update_weights_from_tensor", json={"serialized_named_tensors": "!!"}).status_code == 400
     bad_path = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
-    # no key configured, so nobody is authenticated: no file-system oracle (issue 18)
+    # no key configured, so nobody is authenticated: no file-system oracle
     assert bad_path.status_code == 400 and "nonexistent" not in bad_path.text and "exist" not in bad_path.text
     assert http.post("/release_memory_occupation").status_code == 200
     refused = http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})

@@ -30,7 +30,22 @@ def server(tiny_llama_dir, tmp_path_factory):
             assert rc == 0
 
 
-def _wait_running(server: ServerProcess, n: int = 1, timeout: float = 10.0) -> None:
+HANG = 120.0  # seconds after which a wait that should end at once is called a hang (a busy machine is slow)
+
+
+def _aborted(server: ServerProcess) -> int:
+    return server.info()["num_aborted"]
+
+
+def assert_ended_by_abort(server: ServerProcess, aborted_before: int) -> None:
+    """The disconnect aborted the request (it did not run to its end: its max_new_tokens is far
+    beyond any wait here) and every KV slot is back; no wall-clock margin, so a busy machine
+    passes."""
+    assert_idle(server, within=HANG)
+    assert _aborted(server) > aborted_before
+
+
+def _wait_running(server: ServerProcess, n: int = 1, timeout: float = HANG) -> None:
     deadline = time.monotonic() + timeout
     while server.info()["num_running_reqs"] < n:
         assert time.monotonic() < deadline, "the request never started running"
@@ -44,6 +59,7 @@ def _wait_running(server: ServerProcess, n: int = 1, timeout: float = 10.0) -> N
     ("/generate", {"text": "talk", "stream": True, "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}),
 ])
 def test_streaming_disconnect_aborts_at_once(server, path, body):
+    before = _aborted(server)
     with httpx.Client(base_url=server.base, timeout=30.0) as c:
         with c.stream("POST", path, json=body) as r:
             assert r.status_code == 200
@@ -53,8 +69,7 @@ def test_streaming_disconnect_aborts_at_once(server, path, body):
                 if seen == 4:
                     break
         # leaving the block unread closes the connection
-    waited = assert_idle(server, within=0.5)
-    assert waited < 0.5
+    assert_ended_by_abort(server, before)
 
 
 def _raw_post(server: ServerProcess, path: str, body: dict) -> socket.socket:
@@ -71,17 +86,19 @@ def _raw_post(server: ServerProcess, path: str, body: dict) -> socket.socket:
     ("/generate", {"text": "talk", "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}),
 ])
 def test_non_streaming_disconnect_aborts_at_once(server, path, body):
+    before = _aborted(server)
     s = _raw_post(server, path, body)
     _wait_running(server)
     s.close()
-    assert assert_idle(server, within=0.5) < 0.5
+    assert_ended_by_abort(server, before)
 
 
 def test_client_timeout_aborts_non_streaming(server):
+    before = _aborted(server)
     with httpx.Client(base_url=server.base, timeout=0.5) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={"prompt": "wait for me", **LONG})
-    assert assert_idle(server, within=0.5) < 0.5
+    assert_ended_by_abort(server, before)
 
 
 def test_disconnect_while_waiting_in_queue(server):
@@ -90,12 +107,20 @@ def test_disconnect_while_waiting_in_queue(server):
         assert c.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
         try:
             s = _raw_post(server, "/generate", {"text": "queued", "sampling_params": {"max_new_tokens": 4}})
-            time.sleep(0.2)
+            _wait_front(server, "paused", 1)  # held at the front end
             s.close()
-            time.sleep(0.05)
+            _wait_front(server, "paused", 0)  # dropped there
         finally:
             assert c.post("/continue_generation").status_code == 200
-    assert_idle(server, within=0.5)
+    assert_idle(server, within=HANG)
+    assert server.info()["num_waiting_reqs"] == 0
+
+
+def _wait_front(server: ServerProcess, place: str, n: int) -> None:
+    deadline = time.monotonic() + HANG
+    while server.info()["front_end"][place] != n:
+        assert time.monotonic() < deadline, f"the front end never had {n} request(s) {place}"
+        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------- concurrency
@@ -129,7 +154,7 @@ def test_64_concurrent_streams_equal_non_streaming(server):
     got = asyncio.run(main())
     for i, text in enumerate(got):
         assert text == want[PROMPTS[i % len(PROMPTS)]], i
-    assert_idle(server, within=2.0)
+    assert_idle(server, within=HANG)
 
 
 # ---------------------------------------------------------------------------- multi-byte text
@@ -228,7 +253,7 @@ def test_a_fifo_server_runs_only_its_loop_thread_real_time(tiny_llama_dir, tmp_p
                     if i == 4:
                         break
             policies = task_policies(srv.proc.pid)
-        assert assert_idle(srv, within=0.5) < 0.5  # the disconnect aborted it
+        assert_ended_by_abort(srv, 0)  # the disconnect aborted it
         # the event loop (uvicorn's, the main thread) is real-time; the server's other threads
         # (ZMQ I/O, the executor's tokenization) and its children (the forward) are not
         assert policies.pop(srv.proc.pid) == os.SCHED_FIFO

@@ -100,8 +100,11 @@ def test_request_in_flight_during_update_runs_on_one_version(engine, hf):
     t = threading.Thread(target=lambda: result.setdefault("r", engine.update_weights_from_tensor(
         _perturbed(hf, 2), weight_version="v-two")))
     t.start()
-    time.sleep(0.2)
-    assert "r" not in result  # the update waits for the running request
+    deadline = time.monotonic() + 120
+    while engine.get_server_info()["front_end"]["writers_waiting"] != 1:
+        assert time.monotonic() < deadline, "the update never came to wait"
+        time.sleep(0.01)
+    assert "r" not in result  # the update waits for the running request (the open stream)
     chunks.extend(stream)
     t.join(30)
     assert result["r"]["weight_version"] == "v-two"

@@ -41,8 +41,11 @@ def test_requests_held_while_paused_are_never_admitted_when_aborted(engine):
     t = threading.Thread(target=lambda: out.setdefault(
         "r", engine.generate(input_ids=random_prompt(2, 10), sampling_params={"max_new_tokens": 5}, rid="held")))
     t.start()
-    time.sleep(0.3)
-    assert engine.get_server_info()["num_waiting_reqs"] == 0  # held in the tokenizer manager
+    deadline = time.monotonic() + 120
+    while engine.get_server_info()["front_end"]["paused"] != 1:  # held in the tokenizer manager
+        assert time.monotonic() < deadline, "the request was never held"
+        time.sleep(0.01)
+    assert engine.get_server_info()["num_waiting_reqs"] == 0
     engine.abort_request("held")
     t.join(10)
     engine.continue_generation()

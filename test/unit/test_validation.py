@@ -8,7 +8,7 @@ from radixlm.srt.generate_request import normalize_generate
 from radixlm.srt.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from radixlm.validation import RequestLimits, check_nesting
 
-# (sampling params, the field the message must name) — issue 18's inputs first
+# (sampling params, the field the message must name) — the fuzzer's inputs first
 BAD_SAMPLING = [
     ({"seed": 1.5}, "seed"), ({"seed": "abc"}, "seed"), ({"seed": [1]}, "seed"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"temperature": "hot"}, "temperature"),

@@ -4,7 +4,7 @@
 //
 // Why native: torch's CPU flash attention runs this model's chunk shapes (9 query heads, 3 KV
 // heads, D 64) at a tenth of the bf16 dot-product peak, and a cached prefix costs it a boolean
-// mask over every key (docs/roofline.md, "Prefill of a 2k prompt").
+// mask over every key (docs/performance.md, Prefill).
 //
 // Layout. Per call, each request's keys of one KV head are packed once, so that no inner loop
 // needs a horizontal sum:
@@ -419,7 +419,7 @@ void attend_rows(const Rows& rows, const uint32_t* kp, const uint32_t* vp, float
 // moves (rescaled in memory) and at the end. Tile 6 holds A (Q, then P), tile 7 B (K, then V). The packed K
 // tiles ([tile][D/2][16]) and V pairs ([pair][D]) are AMX's B layout as they are, 64 and 4 D
 // bytes a row apart. (Computed transposed, S^T = K Q^T with a vertical softmax, it measured
-// slower: docs/roofline.md, session 29.)
+// slower on an AMX host.)
 constexpr int kAmxRows = 16;
 using AmxRows = RowsOf<kAmxRows>;
 

@@ -17,8 +17,7 @@ and the model takes its Python layers:
   kernel (`extend_rows`; with rows, those `forward_rows` gives it),
   native RoPE tables over whole heads, one norm epsilon for all norms;
 - a model class listed in FUSED_GRAPH_CLASSES (its graph is the one the native layers run).
-On a 2k prompt the Python between the kernels was ~3-6% of the prefill (docs/roofline.md,
-session 33).
+On a 2k prompt the Python between the kernels was ~3-6% of the prefill.
 The pointer table is rebuilt when a Linear drops its packed copies (a weight update, a change of
 quantization: `Linear.generation`) or the KV pool's buffers change (release / allocate).
 RADIXLM_FUSED_DECODE=0 turns it off.

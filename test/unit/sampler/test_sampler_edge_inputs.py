@@ -1,5 +1,5 @@
 """Inputs at the edge of the ranges: the sampler must answer with a valid token for every row
-(issue 18: top_p=1e-300 indexed -1; a logit_bias above float32's max sent the inverse-CDF
+(found by fuzzing: top_p=1e-300 indexed -1; a logit_bias above float32's max sent the inverse-CDF
 draw out of bounds), and never let one such row change another row's draw."""
 from __future__ import annotations
 

@@ -274,7 +274,7 @@ def test_random_workload_with_small_pool(page_size):
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_a_long_prompt_does_not_starve_decoding_requests(interleave):
-    """Between the chunks of a long prompt the decoding requests get a step (issue 24: one 8k
+    """Between the chunks of a long prompt the decoding requests get a step (without it one 8k
     prompt held 16 streams for 40 s); with the interleave off, they wait for the whole prompt."""
     h = make_harness(chunk=8, disable_chunked_prefill_interleave=not interleave)
     short = [_prompt(5, 40 + i) for i in range(2)]

@@ -1,7 +1,7 @@
 """Decode attention with a KV prefix shared by the whole batch against the per-request path
 and a float64 reference: torch_native's dense-prefix (cascade) path, and the cpu backend,
-which reads every request's whole row instead (its cascade was slower, docs/roofline.md
-session 33)."""
+which reads every request's whole row instead (its cascade was
+slower)."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """The detokenizer (srt/detokenizer_process.py). A request it cannot handle is ended alone
-(issue 18: `skip_special_tokens: "no"` raised in the detokenizer, which dropped the whole batch,
+(`skip_special_tokens: "no"` once raised in the detokenizer, which dropped the whole batch,
 so co-batched streams never got their final chunk); a non-streamed request is decoded once, at
 its end."""
 from __future__ import annotations

@@ -9,7 +9,7 @@ whole batch (system prompt, n > 1 samples) is read by the kernel in every reques
 a cascade (the prefix by one torch GEMM per KV head over all query rows, merged with the
 kernel's suffixes by log-sum-exp; torch_native still does it) measured 1.4-1.7x slower per
 decode step at batch 32-128 with 200- to 4,000-token shared prefixes, and kept the step off
-the fused layers (docs/roofline.md, session 33).
+the fused layers.
 
 EXTEND: when every request extends by a few tokens (<= SHORT_EXTEND: chat turns, short
 prompts, a batch of small prefills), each new token is a decode-style row over its causal
