@@ -160,8 +160,10 @@ class ServerArgs:
     # ---- HiCache storage tier (under the host tier; radixlm/hicache/storage_tier.py) ----
     hicache_storage_backend: str | None = _opt("a storage tier under the host tier: host pages are stored, and "
                                                "prompts found there are prefetched into host memory",
-                                               choices=(None, "file"), default=None)
+                                               choices=(None, "file", "mooncake"), default=None)
     hicache_storage_dir: str = _opt("directory of the file storage backend (kept across restarts)", default="")
+    hicache_storage_backend_extra_config: str = _opt("JSON settings of the storage backend (mooncake: "
+                                                     "master_server_address, protocol, ...)", default="")
     hicache_storage_prefetch_policy: str = _opt(
         "when a request whose prefix is being prefetched from storage is admitted: at once (best_effort), "
         "after the prefetch (wait_complete), or after it or the timeout (timeout)",
@@ -303,6 +305,7 @@ class ServerArgs:
                                  hicache_write_policy=self.hicache_write_policy,
                                  hicache_storage_backend=self.hicache_storage_backend,
                                  hicache_storage_dir=self.hicache_storage_dir,
+                                 hicache_storage_backend_extra_config=self.hicache_storage_backend_extra_config,
                                  hicache_storage_prefetch_policy=self.hicache_storage_prefetch_policy,
                                  hicache_storage_prefetch_threshold=self.hicache_storage_prefetch_threshold,
                                  hicache_storage_prefetch_timeout=self.hicache_storage_prefetch_timeout,

@@ -194,7 +194,8 @@ def build_hiradix_cache(config: PrefixCacheConfig, device: DeviceKV) -> HiRadixC
     if config.hicache_storage_backend is not None:
         from radixlm.hicache.storage_backends import build_storage_backend
 
-        cache.attach_storage(build_storage_backend(config.hicache_storage_backend, config.hicache_storage_dir),
+        cache.attach_storage(build_storage_backend(config.hicache_storage_backend, config.hicache_storage_dir,
+                                                   config.hicache_storage_backend_extra_config),
                              StorageOptions(config.hicache_storage_prefetch_policy,
                                             config.hicache_storage_prefetch_threshold,
                                             config.hicache_storage_prefetch_timeout, config.storage_model_id))

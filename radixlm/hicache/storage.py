@@ -28,7 +28,7 @@ __all__ = ["STORAGE_PAGE_TOKENS", "StorageBackend", "CorruptPage", "page_keys", 
 # Small pages make a file per few tokens (the open/close dominates); large ones waste the tail
 # of every prompt that is shorter than a page.
 STORAGE_PAGE_TOKENS = 64
-STORAGE_BACKENDS = ("file",)
+STORAGE_BACKENDS = ("file", "mooncake")
 _MAGIC = b"RLMKVPG1"
 _HEADER = struct.Struct("<8s16sQ16s")  # magic, key, payload bytes, checksum
 

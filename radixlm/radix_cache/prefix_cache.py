@@ -209,6 +209,7 @@ class PrefixCacheConfig:
     # HiCache storage tier (radixlm/hicache/storage_tier.py); None: no storage tier
     hicache_storage_backend: str | None = None
     hicache_storage_dir: str = ""
+    hicache_storage_backend_extra_config: str = ""  # JSON (the mooncake backend's settings)
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_prefetch_threshold: int = 256
     hicache_storage_prefetch_timeout: float = 2.0
