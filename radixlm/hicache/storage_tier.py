@@ -74,6 +74,7 @@ class _Prefetch:
     future: Future[list[torch.Tensor] | None]
     started: float
     generation: int
+    covers: frozenset[str] = frozenset()  # page keys it reads (a request sharing them shares the read)
     waited: bool = False
     owner_gone: bool = False  # its request no longer waits for it (best_effort, timed out)
 
@@ -217,9 +218,14 @@ class StorageTier:
             hosted += len(n.key)
         first = hosted // self.page_tokens
         keys = self.keys_for(key)
+        for other in self.prefetches.values():
+            if keys[-1] in other.covers and other.start <= first * self.page_tokens:
+                # The same prefix is being read for another request (n > 1, a shared system
+                # prompt): wait for that read instead of repeating it.
+                return _Prefetch(other.key, other.start, other.future, now, other.generation, other.covers)
         self.counters.add("prefetch_ops")
         future = self._workers["prefetch"].submit(self._read_pages, keys[first:], have - first * self.page_tokens)
-        return _Prefetch(key, first * self.page_tokens, future, now, self.generation)
+        return _Prefetch(key, first * self.page_tokens, future, now, self.generation, frozenset(keys[first:]))
 
     def _read_pages(self, keys: list[str], threshold_skip: int) -> list[torch.Tensor] | None:
         """The longest run of stored pages from the start of `keys`, read and checked; None
@@ -257,12 +263,14 @@ class StorageTier:
 
     def poll(self) -> None:
         """Scheduler thread, top of every iteration: finished prefetches enter the tree."""
+        landed: set[Future[list[torch.Tensor] | None]] = set()
         for owner, op in list(self.prefetches.items()):
             if not op.future.done():
                 continue
             del self.prefetches[owner]
             rows = op.future.result()
-            if rows is not None and op.generation == self.generation:
+            if rows is not None and op.generation == self.generation and op.future not in landed:
+                landed.add(op.future)
                 n = insert_fetched(self.cache, op.key, op.start, rows)
                 self.counters.add("prefetch_inserted_tokens", n)
                 self.counters.add("storage_hit_tokens", int(rows[0].shape[0]))

@@ -255,3 +255,37 @@ def test_a_blocked_backend_never_blocks_the_step_loop(tmp_path):
         gated.gate.set()
         h.settle()
         h.assert_idle_and_conserved()
+
+
+def test_requests_sharing_a_stored_prefix_share_one_read(tmp_path):
+    prompt = _prompt(256, 9)
+    _store(tmp_path, prompt)
+    h = _harness(tmp_path)
+    gated = _gate(h)
+    rids = [h.submit(prompt + [i], max_new_tokens=2) for i in range(3)]
+    h.step()
+    assert gated.reading.wait(60)
+    gated.gate.set()
+    h.run()
+    for i, r in enumerate(rids):
+        assert h.tokens(r) == reference_output(prompt + [i], 2) and h.final(r).cached_tokens == 256
+    s = h.stats()["storage"]
+    assert s["prefetch_ops"] == 1 and s["prefetched_pages"] == 4 and s["storage_hit_tokens"] == 256
+    h.assert_idle_and_conserved()
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"hicache_storage_backend": "file", "hicache_storage_dir": "d"}, "needs enable_hierarchical_cache"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}, "needs hicache_storage_dir"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "master's host:port"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake",
+      "hicache_storage_backend_extra_config": "{"}, "is not JSON"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file", "hicache_storage_dir": "d",
+      "tp_size": 2}, "tp_size 1"),
+])
+def test_storage_flags_are_checked(kw, message, monkeypatch):
+    from radixlm.config import ServerArgs
+
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    with pytest.raises(ValueError, match=message):
+        ServerArgs.from_kwargs(**kw)
