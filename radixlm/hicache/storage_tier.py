@@ -110,6 +110,7 @@ class StorageTier:
         self.stored: OrderedDict[str, None] = OrderedDict()  # page keys known to be in storage
         self.pending_backup_pages = 0
         self._pending_lock = threading.Lock()
+        self._not_stored: list[str] = []  # keys the workers found unwritten or corrupt (under the lock)
         self.generation = 0  # a flush makes prefetches of the old tree worthless
 
     # ------------------------------------------------------------------ keys
@@ -169,6 +170,8 @@ class StorageTier:
                         self.backend.set(key, encode_page(key, rows))
                         self.counters.add("backup_pages_written")
                 except Exception as e:  # noqa: BLE001 - any backend failure only costs this page
+                    # Still counted as stored: a broken backend is not asked again for every
+                    # later backup of the same path (a corrupt page, found on read, is).
                     self.counters.add("backend_errors")
                     logger.warning("HiCache storage: writing page %s failed: %s", key, e)
         finally:
@@ -250,6 +253,7 @@ class StorageTier:
                     self.counters.add("corrupt_pages")
                     self.counters.add("backend_errors")
                     logger.warning("HiCache storage: %s; deleting it", e)
+                    self._forget_stored(k)
                     self.backend.delete(k)
                     break
         except Exception as e:  # noqa: BLE001 - a failing backend means recomputation, nothing more
@@ -261,8 +265,17 @@ class StorageTier:
         self.counters.add("prefetched_pages", len(pages))
         return [torch.cat([p[b] for p in pages]) for b in range(len(self.like))]
 
+    def _forget_stored(self, key: str) -> None:
+        """Worker threads: `key` is not (validly) stored, so a later backup writes it again."""
+        with self._pending_lock:
+            self._not_stored.append(key)
+
     def poll(self) -> None:
         """Scheduler thread, top of every iteration: finished prefetches enter the tree."""
+        with self._pending_lock:
+            gone, self._not_stored = self._not_stored, []
+        for k in gone:
+            self.stored.pop(k, None)
         landed: set[Future[list[torch.Tensor] | None]] = set()
         for owner, op in list(self.prefetches.items()):
             if not op.future.done():

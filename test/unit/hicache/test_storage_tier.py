@@ -96,11 +96,12 @@ def test_page_format_and_keys():
     assert page_keys(toks, 4, namespace_seed("other", "l", None)) != keys
 
 
-def test_second_scheduler_loads_the_prefix_from_storage(tmp_path, schedule_mode):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_second_scheduler_loads_the_prefix_from_storage(tmp_path, schedule_mode, page_size):
     prompt = _prompt(300, 1)
-    _store(tmp_path, prompt)
+    _store(tmp_path, prompt, page_size=page_size)
     assert FileStorage(str(tmp_path)).num_pages() == 4
-    h = _harness(tmp_path)  # a fresh scheduler: empty device and host tiers
+    h = _harness(tmp_path, page_size=page_size)  # a fresh scheduler: empty device and host tiers
     follow = prompt + _prompt(20, 2)
     rid = h.submit(follow, max_new_tokens=5)
     h.run()
@@ -289,3 +290,24 @@ def test_storage_flags_are_checked(kw, message, monkeypatch):
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     with pytest.raises(ValueError, match=message):
         ServerArgs.from_kwargs(**kw)
+
+
+def test_a_page_corrupted_under_a_running_scheduler_is_stored_again(tmp_path):
+    prompt = _prompt(256, 10)
+    h = _store(tmp_path, prompt)
+    key = h.tree.storage.keys_for(RadixKey(prompt))[1]
+    path = FileStorage(str(tmp_path))._path(key)
+    with open(path, "r+b") as f:
+        f.write(b"garbage!")
+    h.cache.evict(h.cache.capacity)
+    h.tree.evict_host(h.tree.host_pool.capacity)  # nothing left but storage
+    h.check()
+    rid = h.submit(prompt + [4], max_new_tokens=2)
+    h.run()
+    h.settle()
+    assert h.tokens(rid) == reference_output(prompt + [4], 2) and h.final(rid).cached_tokens == 64
+    s = h.stats()["storage"]
+    assert s["corrupt_pages"] == 1 and s["backup_pages_written"] == 4 + 1
+    with open(path, "rb") as f:
+        assert decode_page(key, f.read(), [h.runner.kv[:1]], PAGE)[0].tolist() == prompt[64:128]
+    h.assert_idle_and_conserved()
