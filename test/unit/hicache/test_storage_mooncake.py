@@ -107,3 +107,37 @@ def test_master_killed_mid_run_degrades_to_recomputation(master):
     assert b.final(rid).cached_tokens == 0 and s["backend_errors"] >= 1 and s["prefetched_pages"] == 0
     b.assert_idle_and_conserved()
     a.assert_idle_and_conserved()
+
+
+def test_two_engines_share_a_prefix_through_mooncake_store(master, tiny_llama_dir):
+    from radixlm import Engine
+
+    from test.support.engine_checks import random_prompt
+
+    _, address = master
+    extra = json.dumps({"master_server_address": address, "global_segment_size": 32 << 20,
+                        "local_buffer_size": 16 << 20})
+    kw = dict(model_path=tiny_llama_dir, dtype="float32", chunked_prefill_size=64, debug_check_integrity=True,
+              max_total_tokens=1024, enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+              hicache_storage_backend_extra_config=extra, hicache_storage_prefetch_policy="wait_complete",
+              hicache_storage_prefetch_threshold=64)
+    sampling = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompt = random_prompt(7, 300)
+    first = Engine(**kw)
+    try:
+        ref = first.generate(input_ids=prompt, sampling_params=sampling)
+        deadline = time.time() + 60
+        while first.get_server_info()["hicache"]["storage"]["backup_pages_written"] < 4 and time.time() < deadline:
+            time.sleep(0.05)  # backups run on the storage tier's thread
+        second = Engine(**kw)  # the first still holds the pages in its client segment
+        try:
+            out = second.generate(input_ids=prompt, sampling_params=sampling)
+            assert out["output_ids"] == ref["output_ids"]
+            assert out["meta_info"]["cached_tokens"] == 256
+            s = second.get_server_info()["hicache"]["storage"]
+            assert s["prefetched_pages"] == 4 and s["backend_errors"] == 0
+            second.check_integrity()
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
