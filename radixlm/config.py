@@ -210,6 +210,21 @@ class ServerArgs:
     hicache_size: float = _opt("host KV pool size in GB; overrides hicache_ratio when > 0", default=0.0)
     hicache_write_policy: str = _opt("when radix-tree nodes are copied to the host tier",
                                      default="write_through")
+    # ---- HiCache storage tier (under the host tier; radixlm/hicache/storage_tier.py) ----
+    hicache_storage_backend: str | None = _opt("a storage tier under the host tier: host pages are stored, and "
+                                               "prompts found there are prefetched into host memory",
+                                               choices=(None, "file", "mooncake"), default=None)
+    hicache_storage_dir: str = _opt("directory of the file storage backend (kept across restarts)", default="")
+    hicache_storage_backend_extra_config: str = _opt("JSON settings of the storage backend (mooncake: "
+                                                     "master_server_address, protocol, ...)", default="")
+    hicache_storage_prefetch_policy: str = _opt(
+        "when a request whose prefix is being prefetched from storage is admitted: at once (best_effort), "
+        "after the prefetch (wait_complete), or after it or the timeout (timeout)",
+        choices=("best_effort", "wait_complete", "timeout"), default="best_effort")
+    hicache_storage_prefetch_threshold: int = _opt("prefetch only when storage holds at least this many prompt "
+                                                   "tokens past the cache", default=256)
+    hicache_storage_prefetch_timeout: float = _opt("seconds a request waits for its prefetch under the timeout "
+                                                   "policy", default=2.0)
     # ---- end HiCache ----
     attention_backend: str = _opt("attention implementation", default="auto")
     retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
@@ -342,7 +357,14 @@ class ServerArgs:
         kind = "none" if self.disable_radix_cache else "hiradix" if self.enable_hierarchical_cache else "radix"
         return PrefixCacheConfig(kind=kind, page_size=self.page_size, eviction_policy=self.radix_eviction_policy,
                                  hicache_ratio=self.hicache_ratio, hicache_size_gb=self.hicache_size,
-                                 hicache_write_policy=self.hicache_write_policy)
+                                 hicache_write_policy=self.hicache_write_policy,
+                                 hicache_storage_backend=self.hicache_storage_backend,
+                                 hicache_storage_dir=self.hicache_storage_dir,
+                                 hicache_storage_backend_extra_config=self.hicache_storage_backend_extra_config,
+                                 hicache_storage_prefetch_policy=self.hicache_storage_prefetch_policy,
+                                 hicache_storage_prefetch_threshold=self.hicache_storage_prefetch_threshold,
+                                 hicache_storage_prefetch_timeout=self.hicache_storage_prefetch_timeout,
+                                 storage_model_id=self.model_path or "")
 
     def replace(self, **kw: Any) -> "ServerArgs":
         return dataclasses.replace(self, **kw)

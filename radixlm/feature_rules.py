@@ -11,6 +11,8 @@ Each check raises ValueError with the reason; the callers only choose when it ru
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 __all__ = ["DISAGGREGATION_MODES", "TRANSFER_BACKENDS", "WHY_CPU_ONLY", "WHY_NO_OVERLAP", "check_server_features",
@@ -33,6 +35,30 @@ def check_server_features(args: Any) -> None:
         raise ValueError("disaggregation_mode prefill/decode runs with tp_size 1 for now")
     if args.speculative_algorithm is not None:
         _check_speculative_args(args)
+    if args.hicache_storage_backend is not None:
+        _check_storage_args(args)
+
+
+def _check_storage_args(args: Any) -> None:
+    if not args.enable_hierarchical_cache:
+        raise ValueError("hicache_storage_backend is a tier under the host tier: it needs enable_hierarchical_cache")
+    if args.hicache_storage_backend == "file" and not args.hicache_storage_dir:
+        raise ValueError("hicache_storage_backend file needs hicache_storage_dir (a directory)")
+    if args.hicache_storage_backend == "mooncake":
+        try:
+            extra = json.loads(args.hicache_storage_backend_extra_config or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
+        if not extra.get("master_server_address") and not os.environ.get("MOONCAKE_MASTER"):
+            raise ValueError("hicache_storage_backend mooncake needs the master's host:port: master_server_address "
+                             "in hicache_storage_backend_extra_config, or MOONCAKE_MASTER")
+    if args.tp_size > 1:
+        raise ValueError("hicache_storage_backend runs with tp_size 1 for now: each rank holds a shard of every "
+                         "page, and the ranks do not yet agree on a storage hit's length")
+    if args.hicache_storage_prefetch_threshold < 0 or args.hicache_storage_prefetch_timeout <= 0:
+        raise ValueError("hicache_storage_prefetch_threshold must be >= 0 and hicache_storage_prefetch_timeout > 0")
 
 
 def _check_speculative_args(args: Any) -> None:

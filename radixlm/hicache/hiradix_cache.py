@@ -25,6 +25,8 @@ import torch
 from radixlm.hicache.controller import CacheController
 from radixlm.hicache.host_pool import MIN_FREE_RAM_BYTES, HostKVPool, host_pool_size
 from radixlm.hicache.host_tier import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiTreeNode, HostTier, hi
+from radixlm.hicache.storage import StorageBackend
+from radixlm.hicache.storage_tier import StorageOptions, StorageTier
 from radixlm.radix_cache.prefix_cache import (
     PREFIX_CACHES,
     DeviceKV,
@@ -54,9 +56,17 @@ class HiRadixCache(RadixCache):
                  controller: CacheController, write_policy: str = "write_through",
                  load_back_threshold: int = LOAD_BACK_THRESHOLD) -> None:
         self.host: HostTier | None = None  # reset() below runs before the tier exists
+        self.storage: StorageTier | None = None
         tier = HostTier(self, host_pool, controller, write_policy, load_back_threshold)
         super().__init__(page_size, eviction_policy, hooks=tier, node_type=HiTreeNode)
         self.host = tier
+
+    def attach_storage(self, backend: StorageBackend, options: StorageOptions) -> StorageTier:
+        """Put a storage tier under the host tier: acked host copies are stored, prompts
+        prefetch from it."""
+        self.storage = StorageTier(self, backend, options)
+        self.tier.on_host_written = self.storage.on_host_written
+        return self.storage
 
     @property
     def tier(self) -> HostTier:
@@ -99,6 +109,8 @@ class HiRadixCache(RadixCache):
         # Flush only runs when the scheduler is idle, so waiting for the copies is short.
         if self.host is not None:
             self.host.clear()
+        if self.storage is not None:
+            self.storage.clear()
         super().reset()
 
     def match(self, key: RadixKey, *, count_hit: bool = True) -> HiMatchResult:
@@ -129,6 +141,11 @@ class HiRadixCache(RadixCache):
 
     def poll(self) -> None:
         self.tier.check_events()
+        if self.storage is not None:
+            self.storage.poll()
+
+    def prefetch_ready(self, key: RadixKey, owner: str) -> bool:
+        return True if self.storage is None else self.storage.ready(key, owner)
 
     def before_forward(self) -> None:
         self.tier.controller.fence_loads()
@@ -140,7 +157,10 @@ class HiRadixCache(RadixCache):
         return self.tier.copy_pinned_size()
 
     def tier_stats(self) -> dict[str, Any]:
-        return self.tier.summary()
+        out = self.tier.summary()
+        if self.storage is not None:
+            out["storage"] = self.storage.summary()
+        return out
 
     def describe(self) -> str:
         return (f"HiRadixCache(policy={self.write_policy}, evictable={self._evictable_size}, "
@@ -169,8 +189,17 @@ def build_hiradix_cache(config: PrefixCacheConfig, device: DeviceKV) -> HiRadixC
     min_free = MIN_FREE_RAM_BYTES if device.min_free_bytes is None else device.min_free_bytes
     host = HostKVPool(buffers, sizing.capacity, min_free_bytes=min_free)
     controller = CacheController(device.buffers, host, copy_hook=device.copy_hook, ranks=device.ranks)
-    return HiRadixCache(config.page_size, config.eviction_policy, host_pool=host, controller=controller,
-                        write_policy=config.hicache_write_policy)
+    cache = HiRadixCache(config.page_size, config.eviction_policy, host_pool=host, controller=controller,
+                         write_policy=config.hicache_write_policy)
+    if config.hicache_storage_backend is not None:
+        from radixlm.hicache.storage_backends import build_storage_backend
+
+        cache.attach_storage(build_storage_backend(config.hicache_storage_backend, config.hicache_storage_dir,
+                                                   config.hicache_storage_backend_extra_config),
+                             StorageOptions(config.hicache_storage_prefetch_policy,
+                                            config.hicache_storage_prefetch_threshold,
+                                            config.hicache_storage_prefetch_timeout, config.storage_model_id))
+    return cache
 
 
 PREFIX_CACHES.register("hiradix")(build_hiradix_cache)

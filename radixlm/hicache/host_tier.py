@@ -16,6 +16,7 @@ Locks (`lock_ref`) pin device slots while a copy uses them:
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -71,6 +72,9 @@ class HostTier(TreeHooks):
         self.host_pending: dict[HiTreeNode, int] = {}  # node -> write op still filling its host copy
         self.device_pending: dict[HiTreeNode, int] = {}  # node -> load op still filling its device copy
         self.host_pinned: set[HiTreeNode] = set()  # host eviction must not touch these (mid-operation)
+        # Called with a node whose host copy (and its ancestors') just became complete: the
+        # storage tier below stores it.
+        self.on_host_written: Callable[[HiTreeNode], None] | None = None
         self.stats: dict[str, int] = {
             "backed_up_tokens_total": 0, "backup_failures": 0, "write_back_tokens_total": 0,
             "loaded_back_tokens_total": 0, "load_back_ops": 0, "load_back_skipped": 0, "load_back_failures": 0,
@@ -192,6 +196,9 @@ class HostTier(TreeHooks):
                 continue
             self.controller.write_now(self._device_values(group), host)
             self._assign_host(group, host)
+            if self.on_host_written is not None:
+                for x in group:
+                    self.on_host_written(x)
             self.stats["backed_up_tokens_total"] += total
             self.stats["write_back_tokens_total"] += total
 
@@ -302,26 +309,36 @@ class HostTier(TreeHooks):
         """Start the writes queued since the last call, then process the acks of finished
         copies in order (unlocking their nodes)."""
         self.controller.start_writing()
-        self._ack(self.controller.poll_writes(), self.ongoing_writes, self.host_pending)
+        self._written(self._ack(self.controller.poll_writes(), self.ongoing_writes, self.host_pending))
         self._ack(self.controller.poll_loads(), self.ongoing_loads, self.device_pending)
 
     def drain(self) -> None:
         """Wait for every copy and process all acks (eviction under pressure, tests, flush)."""
-        self._ack(self.controller.wait_writes(), self.ongoing_writes, self.host_pending)
+        self._written(self._ack(self.controller.wait_writes(), self.ongoing_writes, self.host_pending))
         self._ack(self.controller.wait_loads(), self.ongoing_loads, self.device_pending)
+
+    def _written(self, nodes: list[HiTreeNode]) -> None:
+        if self.on_host_written is not None:
+            for x in nodes:
+                if x.host_value is not None:
+                    self.on_host_written(x)
 
     def copies_in_flight(self) -> bool:
         return bool(self.ongoing_writes or self.ongoing_loads)
 
-    def _ack(self, op_ids: list[int], ongoing: dict[int, HiTreeNode], pending: dict[HiTreeNode, int]) -> None:
-        """Finished copies: unlock what each op locked and forget the nodes it was filling."""
+    def _ack(self, op_ids: list[int], ongoing: dict[int, HiTreeNode],
+             pending: dict[HiTreeNode, int]) -> list[HiTreeNode]:
+        """Finished copies: unlock what each op locked and forget the nodes it was filling;
+        returns the nodes the ops locked."""
         if not op_ids:
-            return
-        for op in op_ids:
-            self.tree.unlock(ongoing.pop(op))
+            return []
+        nodes = [ongoing.pop(op) for op in op_ids]
+        for node in nodes:
+            self.tree.unlock(node)
         done = set(op_ids)
         for node in [x for x, o in pending.items() if o in done]:
             del pending[node]
+        return nodes
 
     # ------------------------------------------------------------------ inspection
     def lock_holders(self) -> list[LockHolder]:

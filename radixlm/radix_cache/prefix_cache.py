@@ -189,6 +189,11 @@ class PrefixCache(ABC):
         """Metrics of a lower tier, or None without one."""
         return None
 
+    def prefetch_ready(self, key: RadixKey, owner: str) -> bool:
+        """Whether the waiting request `owner` (prompt `key`) may be admitted now (HiCache's
+        storage tier: False while its prefetch policy waits for pages being read)."""
+        return True
+
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
@@ -201,6 +206,14 @@ class PrefixCacheConfig:
     hicache_ratio: float = 2.0
     hicache_size_gb: float = 0.0
     hicache_write_policy: str = "write_through"
+    # HiCache storage tier (radixlm/hicache/storage_tier.py); None: no storage tier
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str = ""
+    hicache_storage_backend_extra_config: str = ""  # JSON (the mooncake backend's settings)
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_threshold: int = 256
+    hicache_storage_prefetch_timeout: float = 2.0
+    storage_model_id: str = ""  # the model's identity, part of every storage key
 
 
 @dataclass

@@ -130,6 +130,11 @@ class CacheManager:
             m = self.prefix.load_back(m, load_quota, self.alloc_tokens)
         return PrefixMatch(m.device_indices, m.last_node, loaded=len(m) - on_device)
 
+    def ready(self, req: Req) -> bool:
+        """Whether `req` may be admitted now: False while the prefix cache's storage tier
+        prefetches its prompt and the prefetch policy says to wait."""
+        return self.prefix.prefetch_ready(RadixKey(req.fill_ids, req.extra_key), req.rid)
+
     def lock(self, node: TreeNode) -> None:
         self.prefix.lock(node)
 

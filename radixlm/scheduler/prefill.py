@@ -196,6 +196,8 @@ class PrefillAdder:
         status = self._budget_status()
         if status is not AddStatus.CONTINUE:
             return status, False
+        if not self.cache.ready(req):  # its prefix is still being read from storage
+            return AddStatus.CONTINUE, False
         match = self.cache.match(req, load_quota=self.rem_total())  # HiCache: loads host hits back
         prefix = len(match)
         extend = req.seqlen - prefix

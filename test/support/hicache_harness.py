@@ -84,9 +84,11 @@ class HiHarness(Harness):
 
     def settle(self) -> None:
         """Let every host copy land and process its ack (a real loop does this at the top of
-        later iterations)."""
+        later iterations), and every storage backup and prefetch finish."""
         if self.tree is not None:
             self.tree.drain()
+            if self.tree.storage is not None:
+                self.tree.storage.wait_idle()
         self.check()
 
     def stats(self) -> dict:
@@ -96,7 +98,9 @@ class HiHarness(Harness):
 def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | None = None,
                     hicache: bool = True, write_policy: str = "write_through", hicache_ratio: float = 2.0,
                     copy_hook=None, vocab: int = 97, context: int = 1024, page_size: int = 1,
-                    features: dict | None = None, **args) -> HiHarness:
+                    features: dict | None = None, storage: dict | None = None, **args) -> HiHarness:
+    """`storage`: PrefixCacheConfig's hicache_storage_* fields (a storage tier under the host
+    tier), e.g. {"hicache_storage_backend": "file", "hicache_storage_dir": d}."""
     args.setdefault("disable_overlap_schedule", not DEFAULT_OVERLAP)
     args.setdefault("enable_overlap_schedule", DEFAULT_OVERLAP)
     server_args = ServerArgs(max_total_tokens=capacity, page_size=page_size, debug_check_integrity=True,
@@ -108,7 +112,8 @@ def make_hi_harness(capacity: int = 256, max_running: int = 16, chunk: int | Non
     alloc = PoisoningAllocator(capacity, runner.kv)
     tree: HiRadixCache | None = None
     if hicache:
-        config = PrefixCacheConfig("hiradix", page_size, hicache_ratio=hicache_ratio, hicache_write_policy=write_policy)
+        config = PrefixCacheConfig("hiradix", page_size, hicache_ratio=hicache_ratio, hicache_write_policy=write_policy,
+                                   **(storage or {}))
         tree = build_hiradix_cache(config, DeviceKV(capacity, [runner.kv], copy_hook=copy_hook, min_free_bytes=0))
         prefix_cache: RadixCache = tree
     else:
