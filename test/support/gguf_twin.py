@@ -26,6 +26,30 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_writer(out: str, arch: str, cfg, *, rope_theta: float, head_lengths: bool = False):
+    """A `gguf.GGUFWriter` with the header every architecture shares, read from `cfg` (radixlm's
+    ModelConfig or a transformers config: the same attribute names); `head_lengths` writes the
+    key/value head size too (models whose head_dim is not hidden / heads)."""
+    import gguf
+
+    w = gguf.GGUFWriter(out, arch=arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    if head_lengths:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    return w
+
+
 def _gguf_name(name: str) -> str:
     if name.startswith("model.layers."):
         _, _, layer, rest = name.split(".", 3)
@@ -36,7 +60,6 @@ def _gguf_name(name: str) -> str:
 
 def write_gguf_twin(model_dir: str, out: str, arch: str) -> str:
     """`arch`: "llama" or "phi3". Returns `out`."""
-    import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -48,19 +71,8 @@ def write_gguf_twin(model_dir: str, out: str, arch: str) -> str:
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     rope_dims = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    w = gguf.GGUFWriter(out, arch=arch)
-    w.add_block_count(hf.num_hidden_layers)
-    w.add_context_length(hf.max_position_embeddings)
-    w.add_embedding_length(hf.hidden_size)
-    w.add_feed_forward_length(hf.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(rope["rope_theta"])
+    w = gguf_writer(out, arch, hf, rope_theta=rope["rope_theta"])
     w.add_rope_dimension_count(rope_dims)
-    w.add_layer_norm_rms_eps(hf.rms_norm_eps)
-    w.add_vocab_size(hf.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     extra: dict[str, np.ndarray] = {}
     if rope["rope_type"] == "llama3":
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

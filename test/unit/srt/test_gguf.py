@@ -12,6 +12,7 @@ from radixlm.srt.models.registry import load_model
 from radixlm.srt.weights import loader
 from radixlm.srt.weights.gguf_loader import read_gguf_metadata, unpermute_rope_rows
 from radixlm.srt.weights.loader import iter_weights, load_model_config
+from test.support.gguf_twin import gguf_writer
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -37,18 +38,7 @@ def write_gguf(model_dir: str, out: str, arch: str, tie: bool = False) -> dict[s
 
     cfg = hf_model_config(model_dir)
     state = load_file(os.path.join(model_dir, "model.safetensors"))
-    w = gguf.GGUFWriter(out, arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w = gguf_writer(out, arch, cfg, rope_theta=cfg.rope_theta)
     expected: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if tie and name == "lm_head.weight":

@@ -13,6 +13,7 @@ import torch
 
 from radixlm.srt.models.registry import load_model
 from radixlm.srt.weights.loader import load_model_config
+from test.support.gguf_twin import gguf_writer
 from test.support.model_harness import ModelHarness
 
 WINDOW = 8
@@ -54,21 +55,8 @@ def _write_gguf(model_dir: str, out: str, arch: str) -> None:
     from radixlm.srt.weights.safetensors_loader import hf_model_config
 
     cfg = hf_model_config(model_dir)
-    w = gguf.GGUFWriter(out, arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w = gguf_writer(out, arch, cfg, rope_theta=cfg.rope_theta, head_lengths=True)
     w.add_sliding_window(WINDOW)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     if cfg.rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling["factor"])

@@ -13,6 +13,7 @@ import torch
 
 from radixlm.srt.models.registry import load_model
 from radixlm.srt.weights.loader import iter_weights, load_model_config
+from test.support.gguf_twin import gguf_writer
 
 _NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
@@ -31,20 +32,7 @@ def write_qwen3_gguf(model_dir: str, out: str, arch: str, q8_experts: bool = Fal
 
     cfg = hf_model_config(model_dir)
     state = {n: t.float() for n, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
-    w = gguf.GGUFWriter(out, arch=arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w = gguf_writer(out, arch, cfg, rope_theta=cfg.rope_theta, head_lengths=True)
     if arch == "qwen3moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
