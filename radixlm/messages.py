@@ -18,7 +18,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     stream: bool = False
     extra_key: str | None = None
-    priority: int = 0
+    priority: int | None = None  # None: the server's default priority (scheduler/priority.py)
     timeout: float | None = None  # seconds from arrival; past it the request ends with 503
     # disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room, index among n > 1 children)
     bootstrap: tuple[str, int, int, int] | None = None

@@ -24,6 +24,7 @@ from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue
 from radixlm.scheduler.output import StopStringChecker, Tokenizer, make_output
 from radixlm.scheduler.overlap import InFlight
 from radixlm.scheduler.port import StepHooks, TransferHooks
+from radixlm.scheduler.priority import PriorityScheduling
 from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
 from radixlm.scheduler.settle import accept
 from radixlm.scheduler.speculation import Speculation
@@ -65,7 +66,10 @@ class RequestLifecycle:
             speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size)
         self.speculation = speculation  # n-gram drafts verified each decode step
         self.transfer = transfer  # prefill/decode disaggregation (radixlm/disaggregation)
-        self.hooks: list[StepHooks] = [h for h in (speculation, transfer) if h is not None] + list(hooks)
+        # priority scheduling (priority.py): ranks, preemption victims, queue overflow; None: off
+        self.priority = (PriorityScheduling(config.priority, config.retraction_policy)
+                         if config.priority is not None else None)
+        self.hooks: list[StepHooks] = [h for h in (speculation, transfer, self.priority) if h is not None] + list(hooks)
         for hook in self.hooks:
             hook.bind(self)
 
@@ -111,15 +115,15 @@ class RequestLifecycle:
         req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
-                  extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
+                  extra_key=msg.extra_key, stream=msg.stream, timeout=msg.timeout,
+                  priority=self.priority.rank(msg.priority) if self.priority is not None else 0,
                   created_time=self.ranks.now(), bootstrap=msg.bootstrap)
         if self.speculation is not None:
             self.speculation.state(req)  # meta_info reports spec_* from the first output on
         error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
-            self.stats.num_rejected += 1
-            error = (f"the queue is full ({limit} waiting requests)", 503)
+            error = self._queue_full(req, limit)
         if error is not None:
             req.finish_reason = FinishReason.abort(error[0], status_code=error[1])
             for hook in self.hooks:
@@ -135,6 +139,23 @@ class RequestLifecycle:
             self.grammar_queue.add(req, grammar)  # check_new_request made sure there is a backend
             return
         self.requests.put(req, Place.WAITING)
+
+    def _queue_full(self, req: Req, limit: int) -> tuple[str, int] | None:
+        """The queue holds `limit` requests: `req`'s error (503), or None when priority
+        scheduling turned a lower-priority queued request away for it instead."""
+        self.stats.num_rejected += 1
+        message = f"the queue is full ({limit} waiting requests)"
+        prio = self.priority
+        if prio is None:
+            return message, 503
+        victim = prio.queue_victim(req, self.requests.reqs(Place.WAITING))
+        prio.count_rejected(victim or req)
+        if victim is None:
+            return message, 503
+        self.stop(victim, FinishReason.abort(f"{message}: a request of higher priority took its place",
+                                             status_code=503))
+        self.flush()
+        return None
 
     def reject(self, msg: TokenizedGenerateReq, exc: BaseException) -> None:
         """`add_request` raised for `msg`: answer it (500), wherever it got to."""

@@ -110,12 +110,28 @@ class PrefillAdder:
         self.slots_left = max_running - len(running)
         self.nothing_running = not running
         self.in_batch_dedup = in_batch_dedup
-        self.offset = 0
-        for r in running:
-            ratio = 1.0 if r.sampling_params.ignore_eos else new_token_ratio
-            self.offset += int(remaining_reservation(r) * ratio)
+        self.new_token_ratio = new_token_ratio
+        self.offset = sum(self._reservation(r) for r in running)
         self.plan = PrefillBatchPlan()
         self._admitted_fills: list[list[int]] = []
+
+    def _reservation(self, running: Req) -> int:
+        ratio = 1.0 if running.sampling_params.ignore_eos else self.new_token_ratio
+        return int(remaining_reservation(running) * ratio)
+
+    def drop_running(self, req: Req) -> None:
+        """A running request is being retracted (priority preemption): its decode reservation
+        and its running slot are free for this batch (its KV returns through the tree)."""
+        self.offset -= self._reservation(req)
+        self.slots_left += 1
+
+    def admitted(self, req: Req) -> bool:
+        return any(r is req for r in self.plan.reqs)
+
+    def out_of_room(self, status: AddStatus) -> bool:
+        """Whether a request was turned away for KV or running slots (what preemption frees),
+        not for the batch's prefill-token budget."""
+        return status is AddStatus.NO_TOKEN or self.slots_left <= 0
 
     def rem_total(self) -> int:
         return self.cache.available() + self.cache.evictable() - self.offset
