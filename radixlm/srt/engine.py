@@ -233,7 +233,8 @@ class Engine:
     # ------------------------------------------------------------------ generate
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                 return_text_in_logprobs: bool = False, timeout: float | None = None):
+                 return_text_in_logprobs: bool = False, timeout: float | None = None,
+                 priority: int | list[int] | None = None):
         kw = _generate_kwargs(locals())
         tm = self.tokenizer_manager
         if stream:
@@ -248,7 +249,8 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                             return_text_in_logprobs: bool = False, timeout: float | None = None):
+                             return_text_in_logprobs: bool = False, timeout: float | None = None,
+                             priority: int | list[int] | None = None):
         kw = _generate_kwargs(locals())
         agen = self.tokenizer_manager.generate_request(**kw)
         if stream:

@@ -27,6 +27,7 @@ class GenerateItem:
     stream: bool
     timeout: float | None = None
     bootstrap: tuple[str, int, int] | None = None  # disaggregation: (host, port, room)
+    priority: int | None = None  # None: the server's default (used with --enable-priority-scheduling)
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -48,7 +49,7 @@ class GenerateItem:
                                     return_logprob=self.return_logprob,
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
-                                    timeout=self.timeout, bootstrap=bootstrap)
+                                    timeout=self.timeout, bootstrap=bootstrap, priority=self.priority)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -107,7 +108,8 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                        prompt=None, input_ids=None, sampling_params=None, return_logprob=False,
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None, bootstrap_host=None,
-                       bootstrap_port=None, bootstrap_room=None) -> tuple[list[GenerateItem], bool]:
+                       bootstrap_port=None, bootstrap_room=None,
+                       priority=None) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch."""
     limits = limits or RequestLimits()
     if (prompt is None) == (input_ids is None):
@@ -142,6 +144,10 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     lsl = _as_list(logprob_start_len, n, "logprob_start_len")
     tln = _as_list(top_logprobs_num, n, "top_logprobs_num")
     boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
+    prios = _as_list(priority, n, "priority")
+    for p in prios:
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool)):
+            raise ValueError(f"priority must be an integer, got {p!r}")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -187,5 +193,6 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
-        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i]))
+        items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i],
+                                  prios[i]))
     return items, is_batch

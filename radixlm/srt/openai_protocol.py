@@ -68,6 +68,7 @@ class _SamplingRequest(_Request):
     stop_regex: StopRegexInput | None = None
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None  # per-request deadline in seconds (503 when exceeded)
+    priority: int | None = None  # vLLM's field: with --enable-priority-scheduling (else ignored)
     # structured output: OpenAI's response_format, or SGLang's direct constraints
     response_format: dict[str, Any] | None = None
     json_schema: JsonSchemaInput | None = None
@@ -154,6 +155,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None
+    priority: int | list[int] | None = None  # with --enable-priority-scheduling (else ignored)
     # prefill/decode disaggregation: where the KV comes from / goes (the gateway adds them; a
     # batch has one per prompt). docs/disaggregation.md
     bootstrap_host: str | list[str] | None = None

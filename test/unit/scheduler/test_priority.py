@@ -7,6 +7,7 @@ import pytest
 
 from radixlm.messages import AbortReq
 from radixlm.scheduler.requests import Place
+from radixlm.srt.metrics import RuntimeMetrics
 
 from test.support.fake_runner import FakeRunner
 from test.support.scheduler_harness import make_harness
@@ -153,8 +154,10 @@ def test_full_queue_turns_away_the_lowest_priority():
     h.run()
     for rid in (run, q1, higher):
         assert h.final(rid).finish_reason["type"] != "abort"
-    info = h.scheduler.get_info()["priority"]
-    assert info["rejected_total"] == {"1": 2}
+    info = h.scheduler.get_info()
+    assert info["priority"]["rejected_total"] == {"1": 2}
+    text = RuntimeMetrics().render(info).decode()
+    assert 'radixlm:priority_requests{priority="1",state="rejected_total"} 2.0' in text
     h.assert_idle_and_conserved()
 
 
