@@ -92,8 +92,8 @@ class Scheduler(RequestLifecycle):
         if not self.is_idle():
             logger.warning("cache not flushed: requests are still pending")
             return False
+        self.forget_drafts()  # (session-held KV first: its slots are about to be reset)
         self.cache.flush()
-        self.forget_drafts()
         return True
 
     def get_info(self) -> dict[str, Any]:
@@ -257,7 +257,7 @@ class Scheduler(RequestLifecycle):
         bound = cfg.chunk_cost_keys if cfg.interleave_chunked_prefill and self.running else None
         adder = PrefillAdder(self.cache, self.running, self.ratio.value, cfg.max_prefill_tokens,
                              cfg.chunked_prefill_size, cfg.max_running_requests, cfg.page_size,
-                             chunk_cost_keys=bound)
+                             chunk_cost_keys=bound, sessions=self.sessions)
         status = AddStatus.CONTINUE
         if chunked is not None:
             status = adder.add_chunked_req(chunked)
@@ -356,7 +356,7 @@ class Scheduler(RequestLifecycle):
         for req in batch.reqs:
             if req.inflight == 0 and self.requests.where(req) is Place.RELEASING:
                 self.requests.remove(req)
-                self.cache.release(req, insert=True)
+                self.release_kv(req, True)
                 self.on_released(req)
 
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:
