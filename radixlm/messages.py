@@ -16,6 +16,8 @@ class SessionParams:
     offset: int | None = None  # keep only this many tokens of that turn's prompt + output
     replace: bool = False  # the turns after `rid` (all, without one) leave the history
     drop_previous_output: bool = False  # continue from that turn's prompt only
+    # this turn's name in the session (the caller's rid; the scheduler's rid may carry a suffix)
+    turn: str | None = None
 
 
 @dataclass

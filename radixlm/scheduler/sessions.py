@@ -42,7 +42,9 @@ class Session:
     last_active: float
     turns: dict[str, Turn] = field(default_factory=dict)
     held: Req | None = None  # the finished turn whose KV the session owns
-    in_flight: dict[Req, str | None] = field(default_factory=dict)  # turn -> the turn it continues
+    held_name: str | None = None
+    # turns in flight: their name in the session and the turn each continues
+    in_flight: dict[Req, tuple[str, str | None]] = field(default_factory=dict)
 
 
 class SessionTable:
@@ -122,9 +124,9 @@ class SessionTable:
             dropped = self._descendants(session, params.rid)
             for rid in dropped:
                 del session.turns[rid]
-            if session.held is not None and session.held.rid in dropped:
+            if session.held is not None and session.held_name in dropped:
                 self._drop_held(session, insert=True)
-            for turn, parent in list(session.in_flight.items()):
+            for turn, (_, parent) in list(session.in_flight.items()):
                 if params.rid is None or parent in dropped or parent == params.rid:
                     stopped.append(turn)
                     del session.in_flight[turn]
@@ -132,7 +134,7 @@ class SessionTable:
         if len(req.origin_input_ids) > session.capacity:
             raise SessionError(f"the turn's prompt ({len(req.origin_input_ids)} tokens) exceeds the session's "
                                f"capacity of {session.capacity} tokens")
-        session.in_flight[req] = params.rid
+        session.in_flight[req] = (params.turn or req.rid, params.rid)
         self._turn_of[req] = session
         return stopped
 
@@ -148,7 +150,7 @@ class SessionTable:
             return None
         turn = session.turns.get(params.rid)
         if turn is None:
-            busy = any(r.rid == params.rid for r in session.in_flight)
+            busy = any(name == params.rid for name, _ in session.in_flight.values())
             raise SessionError(f"turn {params.rid!r} of session {session.id!r} "
                                + ("has not finished" if busy else "does not exist"))
         return turn
@@ -175,7 +177,7 @@ class SessionTable:
         if session is None or session.held is None or req.output_ids:
             return None
         held = session.held
-        if session.in_flight.get(req) != held.rid or held.extra_key != req.extra_key:
+        if session.in_flight[req][1] != session.held_name or held.extra_key != req.extra_key:
             return None
         fill, prev = req.fill_ids, held.fill_ids
         keep = 0
@@ -199,17 +201,17 @@ class SessionTable:
         session = self._turn_of.pop(req, None)
         if session is None:
             return False
-        parent = session.in_flight.pop(req)
+        name, parent = session.in_flight.pop(req)
         session.last_active = now
         reason = req.finish_reason
         if not usable or reason is None or reason.type == "abort":
             return False  # an aborted or failed turn is not part of the history
-        session.turns[req.rid] = Turn(list(req.fill_ids), len(req.origin_input_ids), parent)
+        session.turns[name] = Turn(list(req.fill_ids), len(req.origin_input_ids), parent)
         if req.kv_poisoned or req.req_pool_idx is None or req.kv_committed_len > session.capacity:
             return False
         self._trim(req)  # no draft or overlap slot stays in the session
         self._drop_held(session, insert=True)
-        session.held = req
+        session.held, session.held_name = req, name
         return True
 
     def info(self) -> dict[str, Any]:

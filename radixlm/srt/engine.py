@@ -234,7 +234,7 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                  return_text_in_logprobs: bool = False, timeout: float | None = None,
-                 priority: int | list[int] | None = None):
+                 priority: int | list[int] | None = None, session_params: dict | None = None):
         kw = _generate_kwargs(locals())
         tm = self.tokenizer_manager
         if stream:
@@ -250,7 +250,7 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                              return_text_in_logprobs: bool = False, timeout: float | None = None,
-                             priority: int | list[int] | None = None):
+                             priority: int | list[int] | None = None, session_params: dict | None = None):
         kw = _generate_kwargs(locals())
         agen = self.tokenizer_manager.generate_request(**kw)
         if stream:
@@ -345,6 +345,15 @@ class Engine:
         A rid not here yet (0) is kept as a tombstone for a few seconds and aborted on arrival."""
         sent = time.time()
         return self._call_soon(self.tokenizer_manager.abort_request, rid, abort_all, prefix, sent_time=sent)
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None,
+                     timeout: float | None = None) -> str:
+        """A session whose turns continue from the KV it holds (docs/semantics.md §14): pass
+        session_params={"id": ..., "rid": <the turn to continue>} to generate."""
+        return self._call(self.tokenizer_manager.open_session(capacity_of_str_len, session_id, timeout))
+
+    def close_session(self, session_id: str) -> None:
+        self._call(self.tokenizer_manager.close_session(session_id))
 
     def pause_generation(self, mode: str = "abort") -> None:
         self._call(self.tokenizer_manager.pause_generation(mode))

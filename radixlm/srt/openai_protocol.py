@@ -156,6 +156,7 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None
     priority: int | list[int] | None = None  # with --enable-priority-scheduling (else ignored)
+    session_params: dict[str, Any] | None = None  # a turn of an open session (/open_session)
     # prefill/decode disaggregation: where the KV comes from / goes (the gateway adds them; a
     # batch has one per prompt). docs/disaggregation.md
     bootstrap_host: str | list[str] | None = None
@@ -194,6 +195,19 @@ class GenerateRequest(BaseModel):
 # Fields of GenerateRequest that are protocol noise from the gateway, not generation input.
 GATEWAY_GENERATE_FIELDS = frozenset({"model", "log_metrics", "no_logs", "background", "return_bytes",
                                      "return_entropy", "return_hidden_states"})
+
+
+class OpenSessionRequest(BaseModel):
+    """SGLang's /open_session body (the capacity is in tokens here)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    capacity_of_str_len: int = Field(gt=0)
+    session_id: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    session_id: str
 
 
 class AbortRequest(BaseModel):

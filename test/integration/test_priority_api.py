@@ -95,3 +95,39 @@ def test_http_priority_fields_and_metrics(server):
         assert info["server_args"]["priority_scheduling_preemption_threshold"] == 2
         assert info["priority"]["preempted_total"] == {} and info["priority"]["queued"] == {}
         assert "radixlm:priority_requests" in http.get("/metrics").text
+
+
+def test_http_sessions(server):
+    """/open_session, turns with session_params on /generate, /close_session (the same server:
+    sessions do not depend on priority scheduling)."""
+    with httpx.Client(base_url=server.base, timeout=60.0) as http:
+        r = http.post("/open_session", json={"capacity_of_str_len": 1000, "timeout": 600.0})
+        assert r.status_code == 200
+        sid = r.json()
+        assert isinstance(sid, str) and sid
+        assert http.post("/open_session", json={"capacity_of_str_len": 1000, "session_id": sid}).status_code == 400
+        assert http.post("/open_session", json={"capacity_of_str_len": 0}).status_code == 400
+        sp = {"max_new_tokens": 6, **GREEDY}
+        one = http.post("/generate", json={"input_ids": LOW_PROMPT, "rid": "turn-1", "sampling_params": sp,
+                                           "session_params": {"id": sid}}).json()
+        two = http.post("/generate", json={"input_ids": HIGH_PROMPT, "rid": "turn-2", "sampling_params": sp,
+                                           "session_params": {"id": sid, "rid": "turn-1"}}).json()
+        assert "meta_info" in one and "meta_info" in two, (one, two)
+        history = LOW_PROMPT + one["output_ids"] + HIGH_PROMPT
+        assert two["meta_info"]["prompt_tokens"] == len(history)
+        assert two["meta_info"]["cached_tokens"] == len(LOW_PROMPT) + 6 - 1  # the session's KV
+        plain = http.post("/generate", json={"input_ids": history, "sampling_params": sp}).json()
+        assert two["output_ids"] == plain["output_ids"]
+        assert server.info()["sessions"]["open"] == 1
+        bad = http.post("/generate", json={"input_ids": HIGH_PROMPT, "sampling_params": sp,
+                                           "session_params": {"id": sid, "rid": "no-such-turn"}})
+        assert bad.status_code == 400 and "does not exist" in bad.text
+        bad = http.post("/generate", json={"input_ids": HIGH_PROMPT, "session_params": {"id": sid, "bogus": 1}})
+        assert bad.status_code == 400 and "bogus" in bad.text
+        assert http.post("/close_session", json={"session_id": sid}).status_code == 200
+        assert http.post("/close_session", json={"session_id": sid}).status_code == 400
+        info = server.info()
+        assert info["sessions"] == {"open": 0, "held_tokens": 0, "turns_from_held_kv": 1}
+        after = http.post("/generate", json={"input_ids": HIGH_PROMPT, "sampling_params": sp,
+                                             "session_params": {"id": sid, "rid": "turn-1"}})
+        assert after.status_code == 400 and "not open" in after.text
