@@ -66,6 +66,21 @@ def test_engine_preempts_for_a_higher_priority_and_keeps_outputs(tiny_llama_dir)
         assert info["priority"]["preempted_total"] == {"0": 1} and info["num_retractions"] == 1
         with pytest.raises(ValueError, match="priority must be an integer"):
             eng.generate(input_ids=HIGH_PROMPT, sampling_params={"max_new_tokens": 1}, priority="high")
+        # sessions through the Engine: the second turn continues from the first's KV
+        sid = eng.open_session(500)
+        sp = {"max_new_tokens": 5, **GREEDY}
+        one = eng.generate(input_ids=LOW_PROMPT, sampling_params=sp, rid="e1", session_params={"id": sid})
+        two = eng.generate(input_ids=HIGH_PROMPT, sampling_params=sp, session_params={"id": sid, "rid": "e1"})
+        history = LOW_PROMPT + one["output_ids"] + HIGH_PROMPT
+        assert two["meta_info"]["cached_tokens"] == len(LOW_PROMPT) + 5 - 1
+        assert two["output_ids"] == eng.generate(input_ids=history, sampling_params=sp)["output_ids"]
+        eng.close_session(sid)
+        with pytest.raises(ValueError, match="not open"):
+            eng.close_session(sid)
+        with pytest.raises(ValueError, match="session_params.offset"):
+            eng.generate(input_ids=HIGH_PROMPT, session_params={"id": sid, "offset": -1})
+        eng.check_integrity()
+        assert eng.get_server_info()["sessions"]["held_tokens"] == 0
 
 
 @pytest.fixture(scope="module")
