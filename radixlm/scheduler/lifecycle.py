@@ -132,11 +132,11 @@ class RequestLifecycle:
         if self.speculation is not None:
             self.speculation.state(req)  # meta_info reports spec_* from the first output on
         error = error or check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
-        if error is None and msg.session is not None:
-            error = self._start_turn(req, msg.session)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
             error = self._queue_full(req, limit)
+        if error is None and msg.session is not None:
+            self._start_turn(req, msg.session)  # (prompt() refused what it cannot take)
         if error is not None:
             req.finish_reason = FinishReason.abort(error[0], status_code=error[1])
             for hook in self.hooks:
@@ -153,15 +153,10 @@ class RequestLifecycle:
             return
         self.requests.put(req, Place.WAITING)
 
-    def _start_turn(self, req: Req, params: SessionParams) -> tuple[str, int] | None:
+    def _start_turn(self, req: Req, params: SessionParams) -> None:
         """`req` becomes its session's turn; turns that `replace` drops are stopped."""
-        try:
-            dropped = self.sessions.start(req, params, self.ranks.now())
-        except SessionError as e:
-            return str(e), 400
-        for turn in dropped:
+        for turn in self.sessions.start(req, params, self.ranks.now()):
             self.stop(turn, FinishReason.abort("replaced by a later turn of its session"))
-        return None
 
     def _queue_full(self, req: Req, limit: int) -> tuple[str, int] | None:
         """The queue holds `limit` requests: `req`'s error (503), or None when priority
@@ -226,6 +221,8 @@ class RequestLifecycle:
             self.close_session(sid, "its session timed out")
 
     def open_session(self, capacity: int, timeout: float | None, session_id: str | None) -> str:
+        if self.transfer is not None:  # a turn's KV would live on the other server
+            raise SessionError("sessions are not available with prefill/decode disaggregation")
         return self.sessions.open(capacity, timeout, self.ranks.now(), session_id)
 
     def close_session(self, sid: str, why: str = "its session was closed") -> None:

@@ -103,18 +103,21 @@ class SessionTable:
         for a turn the session cannot take. Changes nothing (see `start`)."""
         session = self._session(params.id)
         parent = self._parent(session, params)
-        if parent is None:
-            return list(input_ids)
-        prev = parent.tokens[:parent.input_len] if params.drop_previous_output else parent.tokens
-        if params.offset:
+        prev: list[int] = []
+        if parent is not None:
+            prev = parent.tokens[:parent.input_len] if params.drop_previous_output else parent.tokens
+        if parent is not None and params.offset:
             if not 0 <= params.offset <= len(prev):
                 raise SessionError(f"session offset {params.offset} is outside the {len(prev)} tokens of turn "
                                    f"{params.rid!r}")
             prev = prev[:params.offset]
+        if len(prev) + len(input_ids) > session.capacity:
+            raise SessionError(f"the turn's prompt ({len(prev) + len(input_ids)} tokens) exceeds the session's "
+                               f"capacity of {session.capacity} tokens")
         return prev + list(input_ids)
 
     def start(self, req: Req, params: SessionParams, now: float) -> list[Req]:
-        """`req` (validated, with its `prompt`) is a turn of the session from now on. With
+        """`req` (validated, with its `prompt`, queued) is a turn of the session from now on. With
         `replace`, the turns after the one named (all, with no rid) leave the session's
         history; returns those still in flight, for the caller to stop."""
         session = self._session(params.id)
@@ -131,9 +134,6 @@ class SessionTable:
                     stopped.append(turn)
                     del session.in_flight[turn]
                     del self._turn_of[turn]
-        if len(req.origin_input_ids) > session.capacity:
-            raise SessionError(f"the turn's prompt ({len(req.origin_input_ids)} tokens) exceeds the session's "
-                               f"capacity of {session.capacity} tokens")
         session.in_flight[req] = (params.turn or req.rid, params.rid)
         self._turn_of[req] = session
         return stopped

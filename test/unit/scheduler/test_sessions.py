@@ -143,6 +143,8 @@ def test_limits_leave_the_session_untouched():
     assert h.final("long").finish_reason["status_code"] == 400
     _turn(h, sid, _prompt(9, 15), "big", rid="t1")  # 43 tokens > capacity 40: 400
     assert h.final("big").finish_reason["status_code"] == 400
+    _turn(h, sid, _prompt(9, 15), "big2", rid="t1", replace=True)  # refused: replace changes nothing
+    assert h.final("big2").finish_reason["status_code"] == 400
     assert (dict(s.sessions.sessions[sid].turns), _held(h)[0].kv_allocated_len) == before
     _turn(h, "nope", [1], "x")
     assert "not open" in h.final("x").finish_reason["message"]
@@ -150,6 +152,7 @@ def test_limits_leave_the_session_untouched():
     _turn(h, sid, [1], "t2", rid="t1", n=15)
     h.run()
     assert "t2" in s.sessions.sessions[sid].turns and not _held(h)
+    assert not s.sessions.sessions[sid].in_flight  # refused turns left nothing behind
     s.close_session(sid)
     h.assert_idle_and_conserved()
 
