@@ -18,7 +18,7 @@ from radixlm.srt.function_call.formats import TOOL_CALL_PARSER_NAMES
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.prefix_cache import PrefixCacheConfig
-    from radixlm.scheduler.config import SchedulerConfig
+    from radixlm.scheduler.config import PriorityConfig, SchedulerConfig
     from radixlm.speculative.drafter import NgramConfig
     from radixlm.srt.model_runner.config import RunnerConfig
     from radixlm.validation import RequestLimits
@@ -229,8 +229,18 @@ class ServerArgs:
     attention_backend: str = _opt("attention implementation", default="auto")
     retraction_policy: str = _opt("which running requests are retracted first when decode runs out of KV",
                                   default="length")
-    max_queued_requests: int | None = _opt("reject new requests with 503 beyond this many waiting",
-                                           default=None)
+    max_queued_requests: int | None = _opt(
+        "reject new requests with 503 beyond this many waiting (with priority scheduling: the "
+        "lowest priority is turned away, a queued one if the newcomer outranks it)", default=None)
+    enable_priority_scheduling: bool = _opt(
+        "order the waiting queue by request priority (higher first), then arrival, and let a "
+        "waiting request preempt (retract) running ones of lower priority when it does not fit", default=False)
+    schedule_low_priority_values_first: bool = _opt("with priority scheduling, lower priority values run first",
+                                                    default=False)
+    priority_scheduling_preemption_threshold: int = _opt(
+        "a running request is preempted only for a waiting one at least this many priority units "
+        "above it", default=10)
+    default_priority: int = _opt("the priority of a request that gives none (priority scheduling)", default=0)
     request_waiting_timeout: float | None = _opt("abort with 503 a request waiting longer than this (s)",
                                                  default=None)
     request_running_timeout: float | None = _opt("abort with 503 a request running longer than this (s)",
@@ -332,7 +342,16 @@ class ServerArgs:
             max_queued_requests=self.max_queued_requests, request_waiting_timeout=self.request_waiting_timeout,
             request_running_timeout=self.request_running_timeout, overlap=self.overlap_schedule(device),
             stream_interval=self.stream_interval, debug_check_integrity=self.debug_check_integrity,
-            speculative=self.ngram_config(), decode_log_interval=self.decode_log_interval)
+            speculative=self.ngram_config(), decode_log_interval=self.decode_log_interval,
+            priority=self.priority_config())
+
+    def priority_config(self) -> "PriorityConfig | None":
+        if not self.enable_priority_scheduling:
+            return None
+        from radixlm.scheduler.config import PriorityConfig
+        return PriorityConfig(low_values_first=self.schedule_low_priority_values_first,
+                              preemption_threshold=self.priority_scheduling_preemption_threshold,
+                              default_priority=self.default_priority)
 
     def ngram_config(self) -> "NgramConfig | None":
         """The n-gram drafter's flags (None: speculation off); NgramConfig checks them."""
@@ -415,6 +434,8 @@ class ServerArgs:
             raise ValueError("disaggregation_transfer_timeout must be > 0 seconds")
         if self.quantization not in (None, "w8a8_int8"):
             raise ValueError(f"quantization must be w8a8_int8 or unset, got {self.quantization!r}")
+        if self.priority_scheduling_preemption_threshold < 1:
+            raise ValueError("priority_scheduling_preemption_threshold must be >= 1")
         if self.decode_log_interval < 1:
             raise ValueError("decode_log_interval must be >= 1")
         from radixlm.feature_rules import check_server_features

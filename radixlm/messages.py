@@ -9,6 +9,18 @@ from radixlm.sampling_params import SamplingParams
 
 
 @dataclass
+class SessionParams:
+    """A turn of a session (SGLang's session_params; semantics §15)."""
+    id: str
+    rid: str | None = None  # the finished turn to continue from; None: the session's start
+    offset: int | None = None  # keep only this many tokens of that turn's prompt + output
+    replace: bool = False  # the turns after `rid` (all, without one) leave the history
+    drop_previous_output: bool = False  # continue from that turn's prompt only
+    # this turn's name in the session (the caller's rid; the scheduler's rid may carry a suffix)
+    turn: str | None = None
+
+
+@dataclass
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
@@ -20,10 +32,11 @@ class TokenizedGenerateReq:
     extra_key: str | None = None
     # ids whose logprobs every logprob position reports (after its top_logprobs_num best)
     token_ids_logprob: tuple[int, ...] = ()
-    priority: int = 0
+    priority: int | None = None  # None: the server's default priority (scheduler/priority.py)
     timeout: float | None = None  # seconds from arrival; past it the request ends with 503
     # disaggregation: (bootstrap_host, bootstrap_port, bootstrap_room, index among n > 1 children)
     bootstrap: tuple[str, int, int, int] | None = None
+    session: SessionParams | None = None
 
 
 @dataclass
@@ -54,6 +67,18 @@ class RpcReq:
 @dataclass
 class FlushCacheReq(RpcReq):
     pass
+
+
+@dataclass
+class OpenSessionReq(RpcReq):
+    capacity: int = 0  # tokens of KV the session may hold (SGLang: capacity_of_str_len)
+    session_id: str | None = None  # None: one is made up
+    timeout: float | None = None  # closed after this long with no turn in flight (s)
+
+
+@dataclass
+class CloseSessionReq(RpcReq):
+    session_id: str = ""
 
 
 @dataclass

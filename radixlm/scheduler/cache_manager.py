@@ -159,6 +159,26 @@ class CacheManager:
             self.req_to_token_pool.req_to_token[idx, :n] = match.indices
         return True
 
+    def hand_over(self, src: Req, dst: Req, keep: int) -> None:
+        """`dst` continues from the first `keep` tokens of `src`'s KV (a session's next turn,
+        sessions.py): `src`'s request slot, its lock and those tokens become `dst`'s, the rest
+        of `src`'s own slots are freed, and `src` holds nothing afterwards (as after release).
+        The tree's part of `src` stays locked, so `keep` must cover it."""
+        row = self._req_row(src)
+        cpl, allocated = src.cache_protected_len, src.kv_allocated_len
+        if not (cpl <= keep <= src.kv_committed_len and keep < len(dst.fill_ids)
+                and dst.fill_ids[:keep] == src.fill_ids[:keep]):
+            raise RuntimeError(f"request {dst.rid!r} cannot continue {keep} tokens of {src.rid!r}'s KV")
+        if keep < allocated:
+            self.allocator.free(row[keep:allocated].clone())
+        dst.req_pool_idx, dst.last_node = src.req_pool_idx, src.last_node
+        dst.prefix_len = dst.kv_committed_len = dst.kv_allocated_len = keep
+        dst.cache_protected_len = cpl
+        dst.cached_tokens = keep  # the turn's prompt hit: the history it continues
+        src.req_pool_idx = None
+        src.last_node = None
+        src.prefix_len = src.cache_protected_len = src.kv_committed_len = src.kv_allocated_len = 0
+
     def note_admission(self, req: Req, match: PrefixMatch) -> None:
         """An admission that went through: the prompt's cache hit, and the hit counters."""
         if not req.output_ids:

@@ -5,7 +5,17 @@ from dataclasses import dataclass
 
 from radixlm.speculative.drafter import NgramConfig
 
-__all__ = ["SchedulerConfig"]
+__all__ = ["SchedulerConfig", "PriorityConfig"]
+
+
+@dataclass(frozen=True)
+class PriorityConfig:
+    """--enable-priority-scheduling and its flags (scheduler/priority.py)."""
+    low_values_first: bool = False
+    # a running request is preempted only for a waiting one at least this many priority units
+    # above it (and never for an equal or lower one)
+    preemption_threshold: int = 10
+    default_priority: int = 0  # the priority of a request that gives none
 
 
 @dataclass(frozen=True)
@@ -32,3 +42,4 @@ class SchedulerConfig:
     debug_check_integrity: bool = False
     speculative: NgramConfig | None = None  # n-gram speculative decoding (scheduler/speculation.py)
     decode_log_interval: int = 40  # decode steps between two "Decode batch" info lines (step_log.py)
+    priority: PriorityConfig | None = None  # None: priority scheduling off (every rank 0)

@@ -12,12 +12,14 @@ from typing import Any, TypeVar
 from radixlm.messages import (
     AbortReq,
     CheckIntegrityReq,
+    CloseSessionReq,
     ContinueReq,
     DestroyWeightsUpdateGroupReq,
     FlushCacheReq,
     GetInfoReq,
     GetWeightsByNameReq,
     InitWeightsUpdateGroupReq,
+    OpenSessionReq,
     PauseReq,
     RejectRoomsReq,
     ReleaseMemoryReq,
@@ -68,6 +70,23 @@ def _abort(s: ControlOps, msg: AbortReq) -> int:
 def _reject_rooms(s: ControlOps, msg: RejectRoomsReq) -> None:
     if s.transfer is not None:
         s.transfer.reject(msg.rooms, msg.message, msg.status_code)
+
+
+@_handles(OpenSessionReq)
+def _open_session(s: ControlOps, msg: OpenSessionReq) -> dict[str, Any]:
+    try:
+        return {"success": True, "session_id": s.open_session(msg.capacity, msg.timeout, msg.session_id)}
+    except ValueError as e:
+        return {"success": False, "message": str(e)}
+
+
+@_handles(CloseSessionReq)
+def _close_session(s: ControlOps, msg: CloseSessionReq) -> dict[str, Any]:
+    try:
+        s.close_session(msg.session_id)
+        return {"success": True}
+    except ValueError as e:
+        return {"success": False, "message": str(e)}
 
 
 @_handles(FlushCacheReq)
@@ -164,6 +183,7 @@ def _memory_op(s: ControlOps, release: bool) -> bool:
     if release:
         if not s.is_idle():
             raise RuntimeError("cannot release memory while requests are running; pause or abort them first")
+        s.forget_drafts()  # session-held KV too
         s.cache.flush()  # the KV pool's contents are about to vanish
         s.runner.release_memory()
     else:
@@ -197,4 +217,4 @@ def server_info(s: ControlOps) -> dict[str, Any]:
             "new_token_ratio": s.ratio.value, "evicted_tokens_total": s.cache.evicted_tokens_total,
             **s.stats.as_dict(), **s.runner.info(), **({"hicache": tier} if tier is not None else {}),
             "num_transfer_reqs": s.requests.count(Place.TRANSFER),
-            **{k: v for hook in s.hooks for k, v in hook.info().items()}}
+            **s.sessions.info(), **{k: v for hook in s.hooks for k, v in hook.info().items()}}

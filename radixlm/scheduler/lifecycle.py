@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from radixlm.core import FinishReason, Req
 from radixlm.feature_rules import check_scheduler_features
-from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, TokenizedGenerateReq
+from radixlm.messages import AbortReq, BatchTokenOut, ReqOutput, SessionParams, TokenizedGenerateReq
 from radixlm.rank_sync import LOCAL_RANK, RankSync
 from radixlm.scheduler.abort import abort_matcher
 from radixlm.scheduler.batch import ModelRunnerProtocol
@@ -24,7 +24,9 @@ from radixlm.scheduler.grammar_queue import GrammarBackend, GrammarQueue
 from radixlm.scheduler.output import StopStringChecker, Tokenizer, make_output
 from radixlm.scheduler.overlap import InFlight
 from radixlm.scheduler.port import StepHooks, TransferHooks
+from radixlm.scheduler.priority import PriorityScheduling
 from radixlm.scheduler.requests import HOLDS_KV, Place, RequestTable
+from radixlm.scheduler.sessions import SessionError, SessionTable
 from radixlm.scheduler.settle import accept
 from radixlm.scheduler.speculation import Speculation
 from radixlm.scheduler.stats import CancelLatency, SchedulerStats
@@ -65,7 +67,12 @@ class RequestLifecycle:
             speculation = Speculation(config.speculative, cache, runner.max_context_len, runner.vocab_size)
         self.speculation = speculation  # n-gram drafts verified each decode step
         self.transfer = transfer  # prefill/decode disaggregation (radixlm/disaggregation)
-        self.hooks: list[StepHooks] = [h for h in (speculation, transfer) if h is not None] + list(hooks)
+        self.sessions = SessionTable(lambda r, insert: cache.release(r, insert=insert),
+                                     lambda r: cache.rollback(r, r.kv_allocated_len - r.kv_committed_len))
+        # priority scheduling (priority.py): ranks, preemption victims, queue overflow; None: off
+        self.priority = (PriorityScheduling(config.priority, config.retraction_policy)
+                         if config.priority is not None else None)
+        self.hooks: list[StepHooks] = [h for h in (speculation, transfer, self.priority) if h is not None] + list(hooks)
         for hook in self.hooks:
             hook.bind(self)
 
@@ -104,23 +111,33 @@ class RequestLifecycle:
         return self.ranks.now()
 
     def check_integrity(self) -> None:
-        self.cache.check_integrity(self.live_reqs())
+        # session-held KV is owned by the finished turn that computed it, counted like a live request's
+        self.cache.check_integrity(self.live_reqs() + self.sessions.held_reqs())
 
     # ================================================================ coming in
     def add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
+        error: tuple[str, int] | None = None
+        prompt = list(msg.input_ids)
+        if msg.session is not None:  # a session's turn: its history, then its input
+            try:
+                prompt = self.sessions.prompt(msg.session, prompt)
+            except SessionError as e:
+                error = (str(e), 400)
+        req = Req(rid=msg.rid, origin_input_ids=prompt, sampling_params=msg.sampling_params,
                   eos_token_ids=frozenset(self.runner.eos_token_ids), return_logprob=msg.return_logprob,
                   top_logprobs_num=msg.top_logprobs_num, logprob_start_len=msg.logprob_start_len,
                   token_ids_logprob=msg.token_ids_logprob,
-                  extra_key=msg.extra_key, priority=msg.priority, stream=msg.stream, timeout=msg.timeout,
+                  extra_key=msg.extra_key, stream=msg.stream, timeout=msg.timeout,
+                  priority=self.priority.rank(msg.priority) if self.priority is not None else 0,
                   created_time=self.ranks.now(), bootstrap=msg.bootstrap)
         if self.speculation is not None:
             self.speculation.state(req)  # meta_info reports spec_* from the first output on
-        error = check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
+        error = error or check_new_request(req, self.runner, self.cache.capacity, self.grammar_queue.available)
         limit = self.config.max_queued_requests
         if error is None and limit is not None and self.requests.count(Place.WAITING, Place.GRAMMAR) >= limit:
-            self.stats.num_rejected += 1
-            error = (f"the queue is full ({limit} waiting requests)", 503)
+            error = self._queue_full(req, limit)
+        if error is None and msg.session is not None:
+            self._start_turn(req, msg.session)  # (prompt() refused what it cannot take)
         if error is not None:
             req.finish_reason = FinishReason.abort(error[0], status_code=error[1])
             for hook in self.hooks:
@@ -137,6 +154,28 @@ class RequestLifecycle:
             return
         self.requests.put(req, Place.WAITING)
 
+    def _start_turn(self, req: Req, params: SessionParams) -> None:
+        """`req` becomes its session's turn; turns that `replace` drops are stopped."""
+        for turn in self.sessions.start(req, params, self.ranks.now()):
+            self.stop(turn, FinishReason.abort("replaced by a later turn of its session"))
+
+    def _queue_full(self, req: Req, limit: int) -> tuple[str, int] | None:
+        """The queue holds `limit` requests: `req`'s error (503), or None when priority
+        scheduling turned a lower-priority queued request away for it instead."""
+        self.stats.num_rejected += 1
+        message = f"the queue is full ({limit} waiting requests)"
+        prio = self.priority
+        if prio is None:
+            return message, 503
+        victim = prio.queue_victim(req, self.requests.reqs(Place.WAITING))
+        prio.count_rejected(victim or req)
+        if victim is None:
+            return message, 503
+        self.stop(victim, FinishReason.abort(f"{message}: a request of higher priority took its place",
+                                             status_code=503))
+        self.flush()
+        return None
+
     def reject(self, msg: TokenizedGenerateReq, exc: BaseException) -> None:
         """`add_request` raised for `msg`: answer it (500), wherever it got to."""
         self.boundary.reject(msg, exc)
@@ -150,6 +189,8 @@ class RequestLifecycle:
             req.abort_sent_time = msg.sent_time or None
             self.stats.count_abort(self.stop(req, FinishReason.abort()))
         self.stats.num_aborted += len(hits)
+        if msg.abort_all:  # sessions stay open; their KV goes to the prefix cache
+            self.sessions.drop_kv(insert=True)
         self.flush()
         return len(hits)
 
@@ -177,6 +218,19 @@ class RequestLifecycle:
                 if why:
                     self.stats.num_timeouts += 1
                     self.stop(req, FinishReason.abort(why, status_code=503))
+        for sid in self.sessions.expired(now):
+            self.close_session(sid, "its session timed out")
+
+    def open_session(self, capacity: int, timeout: float | None, session_id: str | None) -> str:
+        if self.transfer is not None:  # a turn's KV would live on the other server
+            raise SessionError("sessions are not available with prefill/decode disaggregation")
+        return self.sessions.open(capacity, timeout, self.ranks.now(), session_id)
+
+    def close_session(self, sid: str, why: str = "its session was closed") -> None:
+        """The session's KV goes back; its turns still in flight end (abort)."""
+        for turn in self.sessions.close(sid):
+            self.stop(turn, FinishReason.abort(why))
+        self.flush()
 
     def finish(self, req: Req, reason: FinishReason, insert: bool = True) -> None:
         """Terminal state: the request's one exit for KV and its one final output. For a
@@ -192,11 +246,17 @@ class RequestLifecycle:
         if req.inflight > 0:
             self.requests.put(req, Place.RELEASING)  # a launched batch may still write its KV
         else:
-            if req.req_pool_idx is not None:
-                self.cache.release(req, insert=insert)
+            self.release_kv(req, insert)
             self.on_released(req)
         self.stats.num_finished += 1
         self.emit(req)
+
+    def release_kv(self, req: Req, insert: bool) -> None:
+        """A finished request's KV goes back (the cache manager's release), unless its session
+        keeps it (sessions.py: a turn that ended normally)."""
+        if self.sessions.keep(req, self.ranks.now(), usable=insert) or req.req_pool_idx is None:
+            return
+        self.cache.release(req, insert=insert)
 
     def on_released(self, req: Req) -> None:
         """A finished request's KV is back: the cancel latency (abort call -> KV returned)."""
@@ -242,6 +302,8 @@ class RequestLifecycle:
             self.send_output(BatchTokenOut(out))
 
     def forget_drafts(self) -> None:
-        """flush_cache and weight updates: the n-gram index describes text of the old weights."""
+        """flush_cache, weight updates and memory release: the n-gram index describes text of
+        the old weights, and KV sessions hold is freed (never published: it may be old weights')."""
+        self.sessions.drop_kv(insert=False)
         if self.speculation is not None:
             self.speculation.flush()

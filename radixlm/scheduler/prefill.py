@@ -24,6 +24,7 @@ import torch
 
 from radixlm.core import Req
 from radixlm.scheduler.cache_manager import CacheManager
+from radixlm.scheduler.sessions import SessionTable
 
 # Reservation per request is capped so one huge max_new_tokens cannot block admission.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -100,7 +101,8 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
 class PrefillAdder:
     def __init__(self, cache: CacheManager, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, max_running: int,
-                 page_size: int = 1, in_batch_dedup: bool = True, chunk_cost_keys: int | None = None) -> None:
+                 page_size: int = 1, in_batch_dedup: bool = True, chunk_cost_keys: int | None = None,
+                 sessions: SessionTable | None = None) -> None:
         self.cache = cache
         self.page_size = page_size
         self.rem_input = max_prefill_tokens
@@ -110,12 +112,29 @@ class PrefillAdder:
         self.slots_left = max_running - len(running)
         self.nothing_running = not running
         self.in_batch_dedup = in_batch_dedup
-        self.offset = 0
-        for r in running:
-            ratio = 1.0 if r.sampling_params.ignore_eos else new_token_ratio
-            self.offset += int(remaining_reservation(r) * ratio)
+        self.sessions = sessions
+        self.new_token_ratio = new_token_ratio
+        self.offset = sum(self._reservation(r) for r in running)
         self.plan = PrefillBatchPlan()
         self._admitted_fills: list[list[int]] = []
+
+    def _reservation(self, running: Req) -> int:
+        ratio = 1.0 if running.sampling_params.ignore_eos else self.new_token_ratio
+        return int(remaining_reservation(running) * ratio)
+
+    def drop_running(self, req: Req) -> None:
+        """A running request is being retracted (priority preemption): its decode reservation
+        and its running slot are free for this batch (its KV returns through the tree)."""
+        self.offset -= self._reservation(req)
+        self.slots_left += 1
+
+    def admitted(self, req: Req) -> bool:
+        return any(r is req for r in self.plan.reqs)
+
+    def out_of_room(self, status: AddStatus) -> bool:
+        """Whether a request was turned away for KV or running slots (what preemption frees),
+        not for the batch's prefill-token budget."""
+        return status is AddStatus.NO_TOKEN or self.slots_left <= 0
 
     def rem_total(self) -> int:
         return self.cache.available() + self.cache.evictable() - self.offset
@@ -177,6 +196,34 @@ class PrefillAdder:
         return self._budget_status()
 
     # ------------------------------------------------------------------ new request
+    def _add_session_turn(self, req: Req, held: Req, keep: int) -> tuple[AddStatus, bool]:
+        """A session's turn continuing from the KV its session holds (sessions.py): that KV
+        is handed over instead of matched in the prefix cache; the budgets are add_one_req's."""
+        assert self.sessions is not None
+        extend = req.seqlen - keep
+        reserve = remaining_reservation(req)
+        first = self.nothing_running and not self.plan.reqs
+        room = self.rem_total()
+        if extend + (1 if first else reserve) >= room and not (first and extend < room):
+            return AddStatus.NO_TOKEN, False
+        n = self._chunk_len(extend, keep)
+        if self.plan.reqs and n > self.rem_input:
+            n = self.rem_input // self.page_size * self.page_size
+        if n <= 0:
+            return AddStatus.OTHER, False
+        self.cache.hand_over(held, req, keep)
+        self.sessions.handed_over(req)
+        loc = self.cache.extend(req, n)
+        if loc is None:  # the session's KV goes to the tree; the turn waits and matches it there
+            self.cache.release(req, insert=True)
+            return AddStatus.NO_TOKEN, False
+        last = n == extend
+        self.plan.add(req, keep, n, loc, last)
+        self._account(n, reserve if last else 0, keep)
+        self.slots_left -= 1
+        self._admitted_fills.append(req.fill_ids)
+        return self._budget_status(), True
+
     def should_defer(self, req: Req, prefix_len: int) -> bool:
         if not self.in_batch_dedup:
             return False
@@ -196,6 +243,9 @@ class PrefillAdder:
         status = self._budget_status()
         if status is not AddStatus.CONTINUE:
             return status, False
+        source = self.sessions.source(req) if self.sessions is not None else None
+        if source is not None:
+            return self._add_session_turn(req, *source)
         if not self.cache.ready(req):  # its prefix is still being read from storage
             return AddStatus.CONTINUE, False
         match = self.cache.match(req, load_quota=self.rem_total())  # HiCache: loads host hits back

@@ -62,5 +62,7 @@ def _lowest_priority(r: Req) -> tuple[int, ...]:
 
 
 def retraction_order(reqs: list[Req], policy: str = "length") -> list[Req]:
-    """Requests sorted so that the *last* element is the first victim."""
-    return sorted(reqs, key=RETRACTION_POLICIES.get(policy), reverse=True)
+    """Requests sorted so that the *last* element is the first victim: the lowest priority
+    rank first (all ranks are 0 without priority scheduling), then the policy's order."""
+    key = RETRACTION_POLICIES.get(policy)
+    return sorted(reqs, key=lambda r: (r.priority, *key(r)), reverse=True)

@@ -92,8 +92,8 @@ class Scheduler(RequestLifecycle):
         if not self.is_idle():
             logger.warning("cache not flushed: requests are still pending")
             return False
+        self.forget_drafts()  # (session-held KV first: its slots are about to be reset)
         self.cache.flush()
-        self.forget_drafts()
         return True
 
     def get_info(self) -> dict[str, Any]:
@@ -246,6 +246,8 @@ class Scheduler(RequestLifecycle):
 
     # ================================================================ batch choice
     def get_prefill_batch(self) -> WorkerBatch | None:
+        if self.priority is not None and self.priority.may_preempt(self.waiting, self.running):
+            self.sync()  # a preemption victim must not be in a launched batch
         chunked, waiting = self.chunked_req, self.waiting
         if not waiting and chunked is None:
             return None
@@ -255,13 +257,22 @@ class Scheduler(RequestLifecycle):
         bound = cfg.chunk_cost_keys if cfg.interleave_chunked_prefill and self.running else None
         adder = PrefillAdder(self.cache, self.running, self.ratio.value, cfg.max_prefill_tokens,
                              cfg.chunked_prefill_size, cfg.max_running_requests, cfg.page_size,
-                             chunk_cost_keys=bound)
+                             chunk_cost_keys=bound, sessions=self.sessions)
         status = AddStatus.CONTINUE
         if chunked is not None:
             status = adder.add_chunked_req(chunked)
         if status is AddStatus.CONTINUE:
-            for req in self.policy.order(waiting):
+            order = self.policy.order(waiting)
+            preempted: list[Req] = []
+            for req in order if self.priority is None else self.priority.order(order):
+                if preempted and req.priority <= max(r.priority for r in preempted):
+                    break  # a request preempted now is not passed by one it outranks or equals
                 status = self.boundary.admit(adder, req)
+                if self.priority is not None and status is not AddStatus.CONTINUE:
+                    status, taken = self.priority.admit_preempting(
+                        adder, req, status, self.running, lambda r: self.boundary.admit(adder, r), self.retract)
+                    self._retracted(taken, f"preempted for {req.rid}")
+                    preempted += taken
                 if status is not AddStatus.CONTINUE or adder.plan.new_chunked_req is not None:
                     break
         plan = adder.plan
@@ -314,19 +325,23 @@ class Scheduler(RequestLifecycle):
         if self._decode_fits(self.requests.count(Place.RUNNING), 1):
             return
         order = retraction_order(self.running, self.config.retraction_policy)
-        retracted = 0
+        retracted = []
         while len(order) > 1 and not self._decode_fits(len(order), RETRACT_DECODE_STEPS):
-            self.retract(order.pop())
-            retracted += 1
-        if retracted:
-            self.stats.num_retractions += retracted
-            self.ratio.on_retract(self.running)
-            logger.info("retracted %d request(s); new_token_ratio -> %.3f", retracted, self.ratio.value)
+            retracted.append(order.pop())
+            self.retract(retracted[-1])
+        self._retracted(retracted, "decode out of KV")
         if not self._decode_fits(self.requests.count(Place.RUNNING), 1):
             # A single request that cannot get one more slot: answer it instead of crashing.
             for req in self.running:
                 self.stop(req, FinishReason.abort("out of memory: the KV cache cannot hold this request",
                                                   status_code=500))
+
+    def _retracted(self, reqs: list[Req], why: str) -> None:
+        """After `retract` of `reqs` (decode room, or priority preemption): one bookkeeping."""
+        if reqs:
+            self.stats.num_retractions += len(reqs)
+            self.ratio.on_retract(self.running)
+            logger.info("retracted %d request(s) (%s); new_token_ratio -> %.3f", len(reqs), why, self.ratio.value)
 
     # ================================================================ results
     def postprocess(self, batch: WorkerBatch, result: BatchResult) -> None:
@@ -341,7 +356,7 @@ class Scheduler(RequestLifecycle):
         for req in batch.reqs:
             if req.inflight == 0 and self.requests.where(req) is Place.RELEASING:
                 self.requests.remove(req)
-                self.cache.release(req, insert=True)
+                self.release_kv(req, True)
                 self.on_released(req)
 
     def process_prefill_result(self, batch: WorkerBatch, result: BatchResult) -> None:

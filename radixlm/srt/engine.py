@@ -241,7 +241,8 @@ class Engine:
     # ------------------------------------------------------------------ generate
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                  logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
-                 return_text_in_logprobs: bool = False, timeout: float | None = None, **sglang_fields):
+                 return_text_in_logprobs: bool = False, timeout: float | None = None,
+                 priority: int | list[int] | None = None, session_params: dict | None = None, **sglang_fields):
         """`sglang_fields`: SGLang's other GenerateReqInput fields (extra_key, cache_salt,
         stream_options, bootstrap_*, and the unsupported ones at their neutral values)."""
         kw = _generate_kwargs(locals())
@@ -259,6 +260,7 @@ class Engine:
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
                              logprob_start_len=None, top_logprobs_num=None, stream: bool = False, rid=None,
                              return_text_in_logprobs: bool = False, timeout: float | None = None,
+                             priority: int | list[int] | None = None, session_params: dict | None = None,
                              **sglang_fields):
         kw = _generate_kwargs(locals())
         agen = self.tokenizer_manager.generate_request(**kw)
@@ -366,6 +368,15 @@ class Engine:
         A rid not here yet (0) is kept as a tombstone for a few seconds and aborted on arrival."""
         sent = time.time()
         return self._call_soon(self.tokenizer_manager.abort_request, rid, abort_all, prefix, sent_time=sent)
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None,
+                     timeout: float | None = None) -> str:
+        """A session whose turns continue from the KV it holds (docs/semantics.md §15): pass
+        session_params={"id": ..., "rid": <the turn to continue>} to generate."""
+        return self._call(self.tokenizer_manager.open_session(capacity_of_str_len, session_id, timeout))
+
+    def close_session(self, session_id: str) -> None:
+        self._call(self.tokenizer_manager.close_session(session_id))
 
     def pause_generation(self, mode: str = "abort") -> None:
         self._call(self.tokenizer_manager.pause_generation(mode))

@@ -6,11 +6,12 @@ submitted, so a bad item raises ValueError and nobody else's request is touched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.messages import TokenizedGenerateReq
+from radixlm.messages import SessionParams, TokenizedGenerateReq
 from radixlm.sampling_params import SamplingParams
 from radixlm.srt.sglang_fields import check_sglang_fields
 from radixlm.srt.text_bound import check_text_length
@@ -37,6 +38,8 @@ class GenerateItem:
     # puts it under the weights' namespace.
     cache_key: str | None = None
     token_ids_logprob: tuple[int, ...] = ()  # ids whose logprobs each logprob position reports
+    priority: int | None = None  # None: the server's default (used with --enable-priority-scheduling)
+    session: SessionParams | None = None  # a turn of an open session (/open_session)
 
     def expand(self) -> list[TokenizedGenerateReq]:
         n = self.sampling_params.n
@@ -59,7 +62,8 @@ class GenerateItem:
                                     top_logprobs_num=self.top_logprobs_num,
                                     logprob_start_len=self.logprob_start_len, stream=self.stream,
                                     timeout=self.timeout, bootstrap=bootstrap, extra_key=self.cache_key,
-                                    token_ids_logprob=self.token_ids_logprob)
+                                    token_ids_logprob=self.token_ids_logprob, priority=self.priority,
+                                    session=dataclasses.replace(self.session, turn=rid) if self.session else None)
 
 
 def _as_list(x: Any, n: int, name: str) -> list:
@@ -159,6 +163,28 @@ def _token_ids_logprob(value: Any, n: int, vocab_size: int) -> list[tuple[int, .
     return out
 
 
+def _session_params(raw: Any) -> SessionParams | None:
+    """SGLang's session_params: {id, rid, offset, replace, drop_previous_output}."""
+    if raw is None or isinstance(raw, SessionParams):
+        return raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"session_params must be an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - {"id", "rid", "offset", "replace", "drop_previous_output"})
+    if unknown:
+        raise ValueError(f"session_params: unknown field(s) {', '.join(unknown)}")
+    sid, rid, offset = raw.get("id"), raw.get("rid"), raw.get("offset")
+    if not isinstance(sid, str) or not sid:
+        raise ValueError("session_params.id must be a session id (from /open_session)")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise ValueError("session_params.rid must be the rid of a turn of the session")
+    if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0):
+        raise ValueError(f"session_params.offset must be a non-negative integer, got {offset!r}")
+    for flag in ("replace", "drop_previous_output"):
+        if raw.get(flag) is not None:
+            _check_flag(raw[flag], f"session_params.{flag}")
+    return SessionParams(sid, rid, offset, bool(raw.get("replace")), bool(raw.get("drop_previous_output")))
+
+
 def _check_flag(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a boolean, got {value!r}")
@@ -169,7 +195,8 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
                        logprob_start_len=None, top_logprobs_num=None, rid=None,
                        stream: bool = False, timeout: float | None = None, bootstrap_host=None,
                        bootstrap_port=None, bootstrap_room=None, extra_key=None, cache_salt=None,
-                       stream_options=None, token_ids_logprob=None, **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
+                       stream_options=None, token_ids_logprob=None, priority=None, session_params=None,
+                       **sglang_fields: Any) -> tuple[list[GenerateItem], bool]:
     """Returns the items and whether the call was a batch. `sglang_fields`: SGLang's other
     GenerateReqInput fields, accepted at their neutral values (sglang_fields.py)."""
     limits = limits or RequestLimits()
@@ -210,6 +237,13 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
     boots = _bootstraps(bootstrap_host, bootstrap_port, bootstrap_room, n)
     cache_keys = _cache_keys(extra_key, cache_salt, n)
     asked = _token_ids_logprob(token_ids_logprob, n, vocab_size)
+    prios = _as_list(priority, n, "priority")
+    session = _session_params(session_params)
+    if session is not None and is_batch:
+        raise ValueError("session_params takes a single prompt")
+    for p in prios:
+        if p is not None and (not isinstance(p, int) or isinstance(p, bool)):
+            raise ValueError(f"priority must be an integer, got {p!r}")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     else:
@@ -257,6 +291,8 @@ def normalize_generate(tokenizer, *, vocab_size: int, context_len: int, limits: 
         if total > limits.max_sequences_per_request:
             raise ValueError(f"the call asks for more than {limits.max_sequences_per_request} sequences "
                              "(prompts x n; server flag --max-sequences-per-request)")
+        if session is not None and sp.n != 1:
+            raise ValueError("session_params takes n = 1")
         items.append(GenerateItem(rids[i], list(ids), sp, bool(rlp[i]), start, top, stream, timeout, boots[i],
-                                  cache_keys[i], asked[i]))
+                                  cache_keys[i], asked[i], prios[i], session))
     return items, is_batch

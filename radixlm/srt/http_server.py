@@ -42,8 +42,8 @@ from radixlm.srt.openai_responses import ResponsesServing, add_responses_routes
 from radixlm.srt.responses_protocol import ResponsesRequest
 from radixlm.srt.launch import describe as describe_process
 from radixlm.srt.served_name import default_served_model_name
-from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-                                         PauseRequest)
+from radixlm.srt.openai_protocol import (AbortRequest, ChatCompletionRequest, CloseSessionRequest,
+                                         CompletionRequest, GenerateRequest, OpenSessionRequest, PauseRequest)
 from radixlm.validation import describe
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REQUEST_BODIES = {("POST", "/v1/completions"): CompletionRequest, ("POST", "/v1/chat/completions"): ChatCompletionRequest,
                   ("POST", "/generate"): GenerateRequest, ("POST", "/abort_request"): AbortRequest,
                   ("POST", "/pause_generation"): PauseRequest, ("POST", "/v1/responses"): ResponsesRequest,
+                  ("POST", "/open_session"): OpenSessionRequest, ("POST", "/close_session"): CloseSessionRequest,
                   **RL_REQUEST_BODIES, **TOKENIZE_REQUEST_BODIES}
 
 
@@ -260,6 +261,24 @@ def _add_native_routes(app: FastAPI) -> None:
     async def pause_generation(request: Request):
         body = await parse_body(request, PauseRequest)
         await _ctx(request).tm.pause_generation(body.mode)
+        return ORJSONResponse({"success": True})
+
+    @app.post("/open_session")
+    async def open_session(request: Request):
+        body = await parse_body(request, OpenSessionRequest)
+        try:
+            sid = await _ctx(request).tm.open_session(body.capacity_of_str_len, body.session_id, body.timeout)
+        except ValueError as e:
+            return error_response(str(e), 400)
+        return ORJSONResponse(sid)  # SGLang answers the id as a JSON string
+
+    @app.post("/close_session")
+    async def close_session(request: Request):
+        body = await parse_body(request, CloseSessionRequest)
+        try:
+            await _ctx(request).tm.close_session(body.session_id)
+        except ValueError as e:
+            return error_response(str(e), 400)
         return ORJSONResponse({"success": True})
 
     @app.post("/continue_generation")

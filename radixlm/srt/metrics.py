@@ -57,6 +57,9 @@ class RuntimeMetrics:
         self.retractions = Gauge("radixlm:num_retracted_requests_total", "retractions so far", registry=r)
         self.aborts_by_place = Gauge("radixlm:aborts", "aborts applied by the scheduler, by where the request was",
                                      ["place"], registry=r)
+        # --enable-priority-scheduling (scheduler/priority.py): by the request's priority value
+        self.by_priority = Gauge("radixlm:priority_requests", "requests by priority: queued and running now, "
+                                 "preempted and rejected (queue full) since start", ["priority", "state"], registry=r)
         self._last_hist: dict | None = None
         r.register(_CancelLatencyCollector(self))
         self.forward_idle = Gauge("radixlm:forward_idle_fraction",
@@ -113,6 +116,10 @@ class RuntimeMetrics:
                     self.transfer.labels(name).set(value)
             for place in ("waiting", "chunked", "running", "in_flight", "transfer"):
                 self.aborts_by_place.labels(place).set(scheduler_info.get(f"aborts_{place}", 0))
+            self.by_priority.clear()  # a priority no longer queued is not left at its last count
+            for state, counts in scheduler_info.get("priority", {}).items():
+                for prio, count in counts.items():
+                    self.by_priority.labels(prio, state).set(count)
             self._last_hist = scheduler_info.get("cancel_latency_hist")
             self.forward_idle.set(scheduler_info.get("forward_idle_fraction", 0.0))
             self.spec_drafted.set(scheduler_info.get("spec_draft_tokens", 0))

@@ -69,6 +69,7 @@ class _SamplingRequest(_Request):
     stop_regex: StopRegexInput | None = None
     rid: str | list[str] | None = None
     timeout: PositiveSeconds | None = None  # per-request deadline in seconds (503 when exceeded)
+    priority: int | None = None  # vLLM's field: with --enable-priority-scheduling (else ignored)
     # structured output: OpenAI's response_format, or SGLang's direct constraints
     response_format: dict[str, Any] | None = None
     json_schema: JsonSchemaInput | None = None
@@ -162,6 +163,8 @@ class GenerateRequest(SGLangGenerateFields):
     # prefix-cache namespaces (SGLang's names): requests share cached KV only with the same values
     extra_key: str | list[str] | None = None
     cache_salt: str | list[str] | None = None
+    priority: int | list[int] | None = None  # with --enable-priority-scheduling (else ignored)
+    session_params: dict[str, Any] | None = None  # a turn of an open session (/open_session)
     # prefill/decode disaggregation: where the KV comes from / goes (the gateway adds them; a
     # batch has one per prompt). docs/disaggregation.md
     bootstrap_host: str | list[str] | None = None
@@ -180,6 +183,19 @@ class GenerateRequest(SGLangGenerateFields):
         if "text" in kw:
             kw["prompt"] = kw.pop("text")
         return kw
+
+
+class OpenSessionRequest(BaseModel):
+    """SGLang's /open_session body (the capacity is in tokens here)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    capacity_of_str_len: int = Field(gt=0)
+    session_id: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class CloseSessionRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    session_id: str
 
 
 class AbortRequest(BaseModel):

@@ -65,6 +65,7 @@ class Job:
     logprob_start_len: int | None
     include_usage: bool
     timeout: float | None
+    priority: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     tools: ToolPlan | None = None  # set when the output is read for tool calls
@@ -84,6 +85,7 @@ class Job:
         return dict(input_ids=pick(self.prompts), sampling_params=pick(self.sampling), rid=pick(self.rids),
                     return_logprob=self.return_logprob, top_logprobs_num=self.top_logprobs,
                     logprob_start_len=self.logprob_start_len, stream=stream, timeout=self.timeout,
+                    priority=self.priority,
                     return_text_in_logprobs=True, **boot)
 
 
@@ -286,7 +288,7 @@ class OpenAIServing:
         return Job(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + base, model=model, rids=rids,
                    prompts=prompts, echo_texts=[], sampling=sampling, n=req.n, return_logprob=return_logprob,
                    top_logprobs=top_logprobs, logprob_start_len=None, include_usage=include_usage,
-                   timeout=req.timeout, continuous_usage=continuous_usage,
+                   timeout=req.timeout, priority=req.priority, continuous_usage=continuous_usage,
                    bootstrap=bootstrap)
 
     def _sampling(self, req: _SamplingRequest, max_tokens: int, forced_schema: str | None = None) -> dict:

@@ -20,6 +20,7 @@ def absorb(st: ReqState, metrics=None) -> dict:
         lps.extend(out.output_token_logprobs)
         tops.extend(out.output_top_logprobs)
         st.cached_tokens = out.cached_tokens
+        st.prompt_tokens = out.prompt_tokens  # a session's turn: its history + its input
         st.num_retractions = out.num_retractions
         if out.spec_verify_ct is not None:
             st.spec = (out.spec_verify_ct, out.spec_draft_tokens, out.spec_accepted_tokens)

@@ -6,7 +6,7 @@ them on every request, at their default values. Each field falls in one group:
 - implemented: handled by generate_request.py (text, input_ids, logprobs and
   token_ids_logprob, bootstrap_*, extra_key and cache_salt as cache namespaces,
   stream_options, ...);
-- NEUTRAL_FIELDS: features radixlm does not have (images, LoRA, routed experts, sessions,
+- NEUTRAL_FIELDS: features radixlm does not have (images, LoRA, routed experts,
   ...). Each is accepted at the value that asks for nothing (null, false, 0, an empty list);
   any other value is refused by name, never silently ignored;
 - METADATA_FIELDS: labels that never change what is generated (tracing, metric labels,
@@ -72,11 +72,10 @@ NEUTRAL_FIELDS: dict[str, NeutralField] = {
                      "return_entropy", "return_prompt_token_ids"), _FALSE),
     "routed_experts_start_len": _ZERO,
     # features radixlm does not have
-    **dict.fromkeys(("session_params", "lora_path", "lora_id", "custom_logit_processor", "kv_router_hint",
+    **dict.fromkeys(("lora_path", "lora_id", "custom_logit_processor", "kv_router_hint",
                      "max_thinking_tokens", "multi_item_delimiter_indices", "bootstrap_pair_key", "decode_tp_size",
                      "http_worker_ipc"), _NULL),
     **dict.fromkeys(("background", "require_reasoning"), _FALSE),
-    "priority": _ZERO,
     # data parallelism: the router's business (fleet/dispatcher.py honours them)
     **dict.fromkeys(("data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank"), _DP),
 }
@@ -148,7 +147,6 @@ class SGLangGenerateFields(BaseModel):
     return_bytes: bool | None = None
     return_entropy: bool | None = None
     return_prompt_token_ids: bool | None = None
-    session_params: dict[str, Any] | None = None
     lora_path: Union[str, list[str | None], None] = None
     lora_id: Union[str, list[str | None], None] = None
     custom_logit_processor: Union[str, list[str | None], None] = None
@@ -160,7 +158,6 @@ class SGLangGenerateFields(BaseModel):
     http_worker_ipc: str | None = None
     background: bool | None = None
     require_reasoning: bool | None = None
-    priority: int | None = None
     data_parallel_rank: int | None = Field(default=None, ge=0)
     routed_dp_rank: int | None = Field(default=None, ge=0)
     disagg_prefill_dp_rank: int | None = Field(default=None, ge=0)

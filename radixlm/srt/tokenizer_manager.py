@@ -17,7 +17,8 @@ import zmq.asyncio
 
 from radixlm.config import ServerArgs
 from radixlm.ipc import AsyncReceiver, AsyncSender, PortArgs
-from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, ContinueReq, DestroyWeightsUpdateGroupReq,
+from radixlm.messages import (AbortReq, BatchTextOut, CheckIntegrityReq, CloseSessionReq, ContinueReq,
+                              DestroyWeightsUpdateGroupReq, OpenSessionReq,
                               FlushCacheReq, GetInfoReq, GetWeightsByNameReq, InitWeightsUpdateGroupReq, PauseReq,
                               RejectRoomsReq,
                               ReleaseMemoryReq, ReqTextOutput, ResumeMemoryReq, RpcReply, RpcReq,
@@ -254,6 +255,19 @@ class TokenizerManager:
 
     async def check_integrity(self) -> None:
         await self.rpc(CheckIntegrityReq())
+
+    async def open_session(self, capacity: int, session_id: str | None = None,
+                           timeout: float | None = None) -> str:
+        """A session (semantics §15); ValueError when the scheduler refuses it."""
+        reply = await self.rpc(OpenSessionReq(capacity=capacity, session_id=session_id, timeout=timeout))
+        if not reply["success"]:
+            raise ValueError(reply["message"])
+        return reply["session_id"]
+
+    async def close_session(self, session_id: str) -> None:
+        reply = await self.rpc(CloseSessionReq(session_id=session_id))
+        if not reply["success"]:
+            raise ValueError(reply["message"])
 
     async def flush_cache(self, timeout: float = 30.0) -> bool:
         """Succeeds once the scheduler is idle: requests that were just aborted may need a

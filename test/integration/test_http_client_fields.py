@@ -36,7 +36,7 @@ def test_sglangs_full_field_set_at_defaults(http):
         assert s.status_code == 200 and b"[DONE]" in s.read()
 
 
-@pytest.mark.parametrize("field,value", [("return_routed_experts", True), ("priority", 3), ("lora_path", "a"),
+@pytest.mark.parametrize("field,value", [("return_routed_experts", True), ("max_thinking_tokens", 9), ("lora_path", "a"),
                                          ("data_parallel_rank", 1)])
 def test_an_unsupported_feature_is_a_400_naming_it(http, field, value):
     r = http.post("/generate", json={"text": "Hi", field: value})

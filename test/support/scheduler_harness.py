@@ -5,7 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from radixlm.config import ServerArgs
-from radixlm.messages import BatchTokenOut, ReqOutput, TokenizedGenerateReq
+from radixlm.messages import BatchTokenOut, ReqOutput, SessionParams, TokenizedGenerateReq
 from radixlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from radixlm.radix_cache.no_cache import NoPrefixCache
 from radixlm.radix_cache.radix_cache import RadixCache
@@ -31,11 +31,12 @@ class Harness:
         for o in batch.outputs:
             self.outputs.setdefault(o.rid, []).append(o)
 
-    def submit(self, prompt: list[int], rid: str | None = None, stream: bool = False, **sp) -> str:
+    def submit(self, prompt: list[int], rid: str | None = None, stream: bool = False,
+               priority: int | None = None, session: SessionParams | None = None, **sp) -> str:
         rid = rid or f"r{next(_ids)}"
         self.scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=list(prompt),
                                                         sampling_params=SamplingParams.from_dict(sp),
-                                                        stream=stream))
+                                                        stream=stream, priority=priority, session=session))
         return rid
 
     def run(self, max_steps: int = 100_000) -> None:

@@ -57,8 +57,7 @@ def test_the_full_field_set_at_defaults_is_accepted():
 
 # A value each unsupported field cannot take (right type, not neutral).
 NON_NEUTRAL = {"image_data": "http://x/cat.png", "lora_path": "adapter", "return_routed_experts": True,
-               "return_hidden_states": True, "priority": 5, "data_parallel_rank": 1, "routed_dp_rank": 2,
-               "session_params": {"id": "s"}, "background": True,
+               "return_hidden_states": True, "data_parallel_rank": 1, "routed_dp_rank": 2, "background": True,
                "routed_experts_start_len": 3, "custom_logit_processor": "{}", "max_thinking_tokens": 9,
                "return_entropy": True, "return_bytes": True, "input_embeds": [[0.5]]}
 
