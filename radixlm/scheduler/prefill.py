@@ -217,11 +217,7 @@ class PrefillAdder:
         if loc is None:  # the session's KV goes to the tree; the turn waits and matches it there
             self.cache.release(req, insert=True)
             return AddStatus.NO_TOKEN, False
-        last = n == extend
-        self.plan.add(req, keep, n, loc, last)
-        self._account(n, reserve if last else 0, keep)
-        self.slots_left -= 1
-        self._admitted_fills.append(req.fill_ids)
+        self._take(req, keep, n, loc, extend, reserve)
         return self._budget_status(), True
 
     def should_defer(self, req: Req, prefix_len: int) -> bool:
@@ -280,10 +276,14 @@ class PrefillAdder:
         if loc is None:
             self.cache.release(req, insert=False)
             return AddStatus.NO_TOKEN, False
+        self._take(req, prefix, n, loc, extend, reserve)
+        self.cache.note_admission(req, match)
+        return self._budget_status(), True
+
+    def _take(self, req: Req, prefix: int, n: int, loc: torch.Tensor, extend: int, reserve: int) -> None:
+        """Put `n` tokens of `req` (after its `prefix` cached ones) into the batch, at `loc`."""
         last = n == extend
         self.plan.add(req, prefix, n, loc, last)
         self._account(n, reserve if last else 0, prefix)
         self.slots_left -= 1
         self._admitted_fills.append(req.fill_ids)
-        self.cache.note_admission(req, match)
-        return self._budget_status(), True
