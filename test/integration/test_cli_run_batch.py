@@ -51,6 +51,8 @@ def test_formats_stdin_stdout_and_bad_lines(tiny_llama_dir):
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
         _req("stream", prompt="x", stream=True),
         _req("last", prompt="The end", max_tokens=3, ignore_eos=True),
+        _req("priority", prompt="x", max_tokens=2, ignore_eos=True, priority=5),  # vLLM's field, as over HTTP
+        _req("bad-priority", prompt="x", priority="high"),
     ]
     proc = subprocess.run(_cmd(tiny_llama_dir, "-i", "-", "-o", "-"), input="\n".join(lines) + "\n",
                           capture_output=True, text=True, env=_env(), timeout=WAIT_S)
@@ -73,6 +75,7 @@ def test_formats_stdin_stdout_and_bad_lines(tiny_llama_dir):
     assert comp["choices"][0]["text"] == comp["choices"][1]["text"]  # greedy: both choices agree
     assert comp["usage"]["completion_tokens"] == 8
     assert named["last"]["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert named["priority"]["response"]["body"]["usage"]["completion_tokens"] == 2
 
     def error(cid: str) -> tuple[int, str, str | None]:
         r = named[cid]
@@ -85,10 +88,11 @@ def test_formats_stdin_stdout_and_bad_lines(tiny_llama_dir):
     assert error("bad-body")[0] == 400 and error("bad-body")[2] == "temperature"
     assert error("other-model") == (404, "The model `gpt-4` does not exist.", "model")
     assert "stream is not supported" in error("stream")[1]
+    assert error("bad-priority")[0] == 400 and "priority" in error("bad-priority")[1]
     unnamed = [r["error"]["error"]["message"] for r in records if r["custom_id"] is None]
     assert any("line 3: malformed JSON" in m for m in unnamed)
     assert any("line 7: custom_id must be a non-empty string" in m for m in unnamed)
-    assert "radixlm: run-batch: 3 succeeded, 6 failed" in proc.stderr
+    assert "radixlm: run-batch: 4 succeeded, 7 failed" in proc.stderr
 
 
 def _wait_for_lines(path: Path, k: int, proc: subprocess.Popen) -> None:
